@@ -1,0 +1,47 @@
+"""The `sudu` command: serve | generate | bench | models. Each subcommand's flags and body live with
+the mechanism they drive; this file only wires them and turns user errors into one line + exit code."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sudu.errors import SuduError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sudu import generate
+    from sudu.bench import cli as bench_cli
+    from sudu.server import cli as server_cli
+    from sudu.weights import catalog
+
+    parser = argparse.ArgumentParser(
+        prog="sudu",
+        description="sudu: speed-first LLM inference and an honest benchmark for OpenAI-compatible endpoints.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    server_cli.register_cli(sub)
+    generate.register_cli(sub)
+    bench_cli.register_cli(sub)
+    catalog.register_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except SuduError as exc:
+        print(f"sudu: error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # config validation
+        print(f"sudu: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sudu: interrupted", file=sys.stderr)
+        return 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""EngineConfig: every engine knob in one place, with defaults that work. Each field is one CLI flag
+of the same name (`--max-num-seqs` for max_num_seqs)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL  # catalog name, .gguf path or Hugging Face-style directory
+    dtype: str = "float32"  # compute dtype of activations and unquantized weights
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a quarter of available RAM, at most 4 GiB
+    max_model_len: int | None = None  # None -> the model's context length, at most 32768
+    max_num_seqs: int = 64  # sequences in the running batch
+    max_num_batched_tokens: int = 512  # tokens per forward pass (prefill chunks + decodes)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+def default_num_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field (`model` is positional in most commands, so callers may skip it)."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        if "bool" in kind:
+            parse = _parse_bool
+        elif f.name == "kv_cache_memory":
+            parse = _parse_bytes
+        elif "int" in kind:
+            parse = int
+        else:
+            parse = str
+        group.add_argument(flag, dest=f.name, type=parse, default=f.default, help=f"(default: {f.default})")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    values.update(overrides)
+    cfg = EngineConfig(**values)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,14 @@
+"""SuduError: a failure the user can act on. The CLI prints its message on one line and exits non-zero;
+the server maps it to an OpenAI-style error body."""
+
+
+class SuduError(Exception):
+    pass
+
+
+class ModelNotFoundError(SuduError):
+    pass
+
+
+class RequestTooLongError(SuduError):
+    """A request that can never fit (prompt + max_tokens beyond max_model_len or the whole KV pool)."""
