@@ -1,0 +1,21 @@
+"""Model registry: architecture name -> network class. Each class takes a ModelConfig, accepts Hugging
+Face tensor names through load_state_dict, and exposes forward(input_ids, positions, meta) and
+compute_logits(hidden)."""
+from __future__ import annotations
+
+from torch import nn
+
+from sudu.models.config import ModelConfig
+from sudu.models.gemma3 import Gemma3ForCausalLM
+from sudu.models.llama import LlamaForCausalLM
+from sudu.models.qwen2 import Qwen2ForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    return ARCHITECTURES[cfg.architecture](cfg)

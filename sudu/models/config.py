@@ -63,14 +63,27 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json")
         names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in cfg.items() if k in names}
+        kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
         kwargs["architecture"] = arch
         if arch == "qwen2":
             kwargs["attention_bias"] = True
             kwargs.pop("sliding_window", None)  # qwen2 ships it with use_sliding_window=false
             kwargs.pop("layer_types", None)
+        # rope: transformers >= 5 writes rope_parameters (per layer type for gemma3), older configs
+        # rope_theta / rope_local_base_freq / rope_scaling
+        rope = cfg.get("rope_parameters") or {}
+        rope_global = rope.get("full_attention", rope)
+        rope_local = rope.get("sliding_attention", {})
+        scaling = cfg.get("rope_scaling") or rope_global
+        if "rope_theta" in rope_global:
+            kwargs["rope_theta"] = float(rope_global["rope_theta"])
+        if "rope_theta" in rope_local:
+            kwargs["rope_local_base_freq"] = float(rope_local["rope_theta"])
+        if scaling.get("rope_type", scaling.get("type")) == "linear":
+            kwargs["rope_scaling_factor"] = float(scaling["factor"])
         if arch == "gemma3":
             kwargs.setdefault("tie_word_embeddings", True)
+            kwargs.setdefault("rope_local_base_freq", 10000.0)
             kwargs["hidden_act"] = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
             if kwargs.get("layer_types") is None:
                 pattern = cfg.get("sliding_window_pattern", 6)
@@ -78,9 +91,6 @@ class ModelConfig:
                     "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                     for i in range(cfg["num_hidden_layers"])
                 ]
-            scaling = cfg.get("rope_scaling") or {}
-            if scaling.get("rope_type", scaling.get("type")) == "linear":
-                kwargs["rope_scaling_factor"] = float(scaling["factor"])
         elif arch == "llama":
             kwargs.pop("layer_types", None)
             kwargs.pop("sliding_window", None)

@@ -1,0 +1,28 @@
+"""Rotary position embedding (the rotate-half convention of Hugging Face checkpoints)."""
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding:
+    """cos/sin tables for one (head_dim, base, scaling) triple, computed once up to max_positions."""
+
+    def __init__(self, head_dim: int, base: float, max_positions: int, scaling_factor: float | None = None):
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling_factor:
+            inv_freq = inv_freq / scaling_factor
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos()
+        self.sin = emb.sin()
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,15 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """arch -> a saved tiny random model directory (built once per test session)."""
+    from tests.tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: save_tiny_model(root / arch, arch) for arch in ("qwen2", "llama", "gemma3")}
