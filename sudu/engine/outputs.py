@@ -1,0 +1,61 @@
+"""What the engine hands back per step: one RequestOutput per request that advanced, carrying the new
+tokens/text of each of its n choices (deltas), finish reasons, cache accounting and timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str  # decoded text of this token alone
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, text, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # choice index, 0..n-1
+    text: str  # new text since the previous output of this choice (stop strings never included)
+    token_ids: list[int]  # new tokens since the previous output
+    logprobs: list[TokenLogprob] | None = None  # one per new token when logprobs were asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    num_output_tokens: int = 0  # total generated so far by this choice
+
+
+@dataclass
+class RequestMetrics:
+    """Engine-side timestamps (time.perf_counter seconds) and derived durations of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_s(self) -> float:
+        return (self.first_scheduled_time or self.arrival_time) - self.arrival_time
+
+    @property
+    def prefill_s(self) -> float:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return 0.0
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_s(self) -> float:
+        if self.finished_time is None or self.first_token_time is None:
+            return 0.0
+        return self.finished_time - self.first_token_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # deltas of the choices that advanced (or finished) this step
+    finished: bool  # every choice has finished
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics
+    error: str | None = None  # set when the engine failed this request (the output is then finished)
