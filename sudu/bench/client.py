@@ -1,0 +1,237 @@
+"""The measuring HTTP client of sudu bench: one streaming chat request -> one RequestRecord with the
+arrival time of every content chunk. httpx.AsyncClient does the HTTP; this file only parses the SSE
+`data:` lines of the body, which keeps the per-chunk cost small and the timestamps honest
+(time.perf_counter() taken as the bytes arrive, before any JSON is decoded).
+
+Tokens per chunk (for ITL and the peak-window throughput), in order of preference:
+1. the server's per-chunk information: `choices[0].logprobs.content` (one entry per token), or a
+   cumulative `usage.completion_tokens` on content chunks (vLLM's continuous usage stats);
+2. the model's tokenizer, when a `count_tokens` callable is given;
+3. otherwise 1 token per content chunk (the record says which source was used).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+from urllib.parse import urlsplit
+
+import httpx
+
+TOKENS_FROM_SERVER = "server"
+TOKENS_FROM_TOKENIZER = "tokenizer"
+TOKENS_ASSUMED_ONE = "assumed-1-per-chunk"
+
+
+@dataclass
+class RequestRecord:
+    """Everything observed about one request; times are seconds relative to `t_sent_s`."""
+
+    request_id: int
+    group: str  # the workload point this request belongs to, e.g. "concurrency=4"
+    cache_state: str  # declared: cold | warm | shared-prefix
+    warmup: bool = False
+    t_sent_s: float = 0.0  # perf_counter() just before the request was handed to httpx
+    status: int | None = None
+    error: str | None = None
+    first_byte_s: float | None = None
+    chunk_times_s: list[float] = field(default_factory=list)  # content chunks only
+    chunk_tokens: list[int] = field(default_factory=list)
+    token_source: str = TOKENS_ASSUMED_ONE
+    done_s: float | None = None  # body fully read
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+    sudu: dict | None = None  # sudu's timing breakdown (final usage / finish chunk)
+    server_timing: dict | None = None  # parsed Server-Timing header, seconds
+    prompt_chars: int = 0
+    max_tokens: int | None = None
+    task: str | None = None
+    metrics: dict = field(default_factory=dict)  # filled by metrics.request_metrics
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200 and bool(self.chunk_times_s)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+def api_base(url: str) -> str:
+    """`http://host:8000` -> `http://host:8000/v1`; a URL that already has a path is used as given."""
+    url = url.rstrip("/")
+    if urlsplit(url).path in ("", "/"):
+        return url + "/v1"
+    return url
+
+
+def make_client(max_connections: int = 256, timeout_s: float = 600.0) -> httpx.AsyncClient:
+    limits = httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=60.0
+    )
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
+
+
+def auth_headers(api_key: str | None) -> dict:
+    headers = {"Accept": "text/event-stream"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int, temperature: float = 0.0, **extra) -> dict:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update(extra)
+    return body
+
+
+def parse_server_timing(value: str | None) -> dict | None:
+    """`queue;dur=1.5, prefill;dur=20` -> {"queue_s": 0.0015, "prefill_s": 0.02}."""
+    if not value:
+        return None
+    out = {}
+    for entry in value.split(","):
+        parts = [p.strip() for p in entry.split(";")]
+        name = parts[0]
+        for p in parts[1:]:
+            if p.startswith("dur="):
+                try:
+                    out[f"{name}_s"] = float(p[4:]) / 1000.0
+                except ValueError:
+                    pass
+    return out or None
+
+
+async def fetch_server_info(client: httpx.AsyncClient, base: str, headers: dict) -> dict:
+    """GET /v1/models, recorded in every report; failures are recorded, not raised."""
+    try:
+        resp = await client.get(f"{base}/models", headers=headers, timeout=30.0)
+        info = {"status": resp.status_code}
+        try:
+            info["models"] = resp.json()
+        except ValueError:
+            info["body"] = resp.text[:500]
+        return info
+    except httpx.HTTPError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _chunk_token_count(chunk: dict, choice: dict, prev_completion_tokens: list[int]) -> int | None:
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list) and logprobs["content"]:
+        return len(logprobs["content"])
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        k = usage["completion_tokens"] - prev_completion_tokens[0]
+        prev_completion_tokens[0] = usage["completion_tokens"]
+        if k > 0:
+            return k
+    return None
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    base: str,
+    body: dict,
+    headers: dict,
+    record: RequestRecord,
+    count_tokens: Callable[[str], int] | None = None,
+) -> RequestRecord:
+    """Send one streaming chat completion and fill `record`. Never raises for server or network errors:
+    they end up in `record.error` (a failed request is data, not a crash)."""
+    perf = time.perf_counter
+    record.max_tokens = body.get("max_tokens")
+    record.prompt_chars = sum(len(m.get("content") or "") for m in body.get("messages", []))
+    text_parts: list[str] = []
+    prev_completion_tokens = [0]
+    sources: set[str] = set()
+    saw_done = False
+    t0 = perf()
+    record.t_sent_s = t0
+    try:
+        async with client.stream("POST", f"{base}/chat/completions", json=body, headers=headers) as resp:
+            record.status = resp.status_code
+            record.server_timing = parse_server_timing(resp.headers.get("server-timing"))
+            if resp.status_code != 200:
+                err = (await resp.aread()).decode("utf-8", "replace")
+                record.done_s = perf() - t0
+                record.error = f"HTTP {resp.status_code}: {err[:300]}"
+                return record
+            buf = b""
+            data_lines: list[bytes] = []
+            async for raw in resp.aiter_bytes():
+                t = perf() - t0
+                if record.first_byte_s is None:
+                    record.first_byte_s = t
+                buf += raw
+                while True:
+                    nl = buf.find(b"\n")
+                    if nl < 0:
+                        break
+                    line = buf[:nl].rstrip(b"\r")
+                    buf = buf[nl + 1 :]
+                    if line.startswith(b"data:"):
+                        data_lines.append(line[5:].lstrip(b" "))
+                        continue
+                    if line or not data_lines:
+                        continue  # comments, event:/id:/retry: fields
+                    payload = b"\n".join(data_lines)
+                    data_lines = []
+                    if payload == b"[DONE]":
+                        saw_done = True
+                        continue
+                    try:
+                        chunk = json.loads(payload)
+                    except ValueError:
+                        record.error = f"unparseable SSE data: {payload[:120]!r}"
+                        continue
+                    if "error" in chunk and not chunk.get("choices"):
+                        err = chunk["error"]
+                        record.error = "stream error: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                        continue
+                    if chunk.get("usage"):
+                        record.usage = chunk["usage"]
+                    if isinstance(chunk.get("sudu"), dict):
+                        record.sudu = chunk["sudu"]
+                    for choice in chunk.get("choices") or ():
+                        delta = choice.get("delta") or {}
+                        piece = delta.get("content") or delta.get("reasoning_content") or ""
+                        if piece:
+                            text_parts.append(piece)
+                            k = _chunk_token_count(chunk, choice, prev_completion_tokens)
+                            if k is not None:
+                                sources.add(TOKENS_FROM_SERVER)
+                            elif count_tokens is not None:
+                                k = max(1, count_tokens(piece))
+                                sources.add(TOKENS_FROM_TOKENIZER)
+                            else:
+                                k = 1
+                                sources.add(TOKENS_ASSUMED_ONE)
+                            record.chunk_times_s.append(t)
+                            record.chunk_tokens.append(k)
+                        if choice.get("finish_reason"):
+                            record.finish_reason = choice["finish_reason"]
+            record.done_s = perf() - t0
+    except httpx.HTTPError as exc:
+        record.done_s = perf() - t0
+        record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    record.text = "".join(text_parts)
+    if len(sources) == 1:
+        record.token_source = sources.pop()
+    elif sources:
+        record.token_source = "mixed:" + "+".join(sorted(sources))
+    if record.error is None and not saw_done and record.finish_reason is None:
+        record.error = "stream ended without finish_reason or [DONE]"
+    if record.error is None and not record.chunk_times_s:
+        record.error = "no content chunk received"
+    return record
