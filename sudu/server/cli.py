@@ -1,0 +1,64 @@
+"""`sudu serve`: the OpenAI-compatible server. Flags here; the app lives in server/app.py (imported only
+when the command runs, so `sudu --help` stays fast)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from sudu.config import DEFAULT_MODEL, add_engine_args, engine_config_from_args
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics). The HTTP server starts at once and /health answers 503 until the "
+        "model is loaded (a catalog model is downloaded first, with progress).",
+    )
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                   help=f"catalog name, .gguf path or Hugging Face-style directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (default: $SUDU_API_KEY, else open)")
+    p.add_argument("--max-queue-len", type=int, default=256,
+                   help="requests queued in the engine before new ones get 429 + Retry-After (default: 256)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id announced on /v1/models and expected in requests (default: the model's name)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are failed "
+                   "(default: 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from sudu.server.app import build_app, make_server
+
+    overrides = {"model": args.model_pos} if args.model_pos else {}
+    config = engine_config_from_args(args, **overrides)
+    if args.max_queue_len < 1:
+        raise ValueError("--max-queue-len must be >= 1")
+    api_key = args.api_key or os.environ.get("SUDU_API_KEY") or None
+    load_failure: list[BaseException] = []
+
+    def load_engine():
+        from sudu.engine.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine(config, max_queue_len=args.max_queue_len)
+
+    def on_load_error(exc: BaseException) -> None:
+        load_failure.append(exc)
+        server.should_exit = True
+
+    app = build_app(load_engine=load_engine, served_model_name=args.served_model_name, api_key=api_key,
+                    shutdown_timeout_s=args.shutdown_timeout, on_load_error=on_load_error)
+    server = make_server(app, args.host, args.port, log_level=args.log_level)
+    print(f"sudu: serving on http://{args.host}:{args.port} (loading {config.model}; /health is 503 until ready)",
+          flush=True)
+    server.run()
+    if load_failure:
+        raise load_failure[0]
+    return 0

@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server (its own registry, so several apps in one process never collide).
+Names mirror vLLM's `vllm:` metrics under `sudu:`. Per-request histograms and token counters are fed by
+the routes as outputs stream out; engine-wide state (running/waiting requests, KV usage, prefix-cache
+counters) is read from `engine.stats()` at scrape time."""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and cumulative prefix-cache counters straight from engine.stats() (nothing before load)."""
+
+    def __init__(self, get_stats: Callable[[], dict | None]):
+        self._get_stats = get_stats
+
+    def collect(self):
+        stats = self._get_stats()
+        if stats is None:
+            return
+        for name, key, doc in (
+            ("sudu:num_requests_running", "num_running", "Requests in the running batch."),
+            ("sudu:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+            ("sudu:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0..1)."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        for name, key, doc in (
+            ("sudu:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            ("sudu:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+        ):
+            yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+
+
+class ServerMetrics:
+    def __init__(self, get_stats: Callable[[], dict | None]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "sudu:time_to_first_token_seconds", "Request received -> first generated token.",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "sudu:inter_token_latency_seconds", "Gap between consecutive token-carrying outputs of a request.",
+            buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "sudu:e2e_request_latency_seconds", "Request received -> last token.", buckets=_REQUEST_BUCKETS, registry=r
+        )
+        self.request_queue_time = Histogram(
+            "sudu:request_queue_time_seconds", "Engine arrival -> first scheduled.", buckets=_REQUEST_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("sudu:prompt_tokens", "Prompt tokens of started requests.", registry=r)
+        self.generation_tokens = Counter("sudu:generation_tokens", "Generated tokens.", registry=r)
+        self.request_success = Counter(
+            "sudu:request_success", "Finished choices, by finish reason.", ["finish_reason"], registry=r
+        )
+        r.register(_EngineStatsCollector(get_stats))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,409 @@
+"""The server's hard edges against a scripted fake of the AsyncLLMEngine contract: states the real engine
+reaches only under load or by accident (full queue, a handler crashing, a model still loading, a
+shutdown with requests in flight) are set up here exactly. Also home of `LiveServer`, the uvicorn-in-a-
+thread helper the other server tests use."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from sudu.errors import RequestTooLongError
+from sudu.server.app import build_app, make_server
+
+BLOCK_SIZE = 16
+
+
+class LiveServer:
+    """uvicorn (sudu's draining server) on a free 127.0.0.1 port in a background thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = make_server(app, "127.0.0.1", self.port, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 60) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(self.url + "/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("server never became healthy")
+            time.sleep(0.05)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE response, JSON-decoded ([DONE] kept as the string)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+# ---------------------------------------------------------------- the fake engine
+
+
+class ByteTokenizer:
+    eos_token_ids = [0]
+    bos_token = None
+    vocab_size = 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode(errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+
+class FakeEngine:
+    """Answers each prompt with its own bytes, one token per step of `step_s`; KV blocks are counted like
+    the real pool (ceil(tokens / 16) per choice), so leaks show in stats()."""
+
+    def __init__(self, max_queue_len: int = 256, step_s: float = 0.002, total_blocks: int = 4096,
+                 max_model_len: int = 512):
+        self.model_name = "fake-model"
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.max_queue_len = max_queue_len
+        self.step_s = step_s
+        self.total_blocks = total_blocks
+        self.blocks: dict[str, int] = {}
+        self.aborted: set[str] = set()
+        self.started = False
+        self.stopping = False
+        self.shutdown_deadline: float | None = None
+        self.fail_check_for: str | None = None  # prompt text that makes check_request crash (-> 500)
+        self.full = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    def is_full(self) -> bool:
+        return self.full or len(self.blocks) >= self.max_queue_len
+
+    def check_request(self, num_prompt_tokens: int, params) -> None:
+        if self.fail_check_for is not None and num_prompt_tokens == len(self.fail_check_for):
+            raise RuntimeError("injected failure")
+        if num_prompt_tokens + (params.max_tokens or 0) > self.max_model_len:
+            raise RequestTooLongError(f"{num_prompt_tokens} prompt tokens + {params.max_tokens} max_tokens > "
+                                      f"{self.max_model_len} (the context)")
+
+    def stats(self) -> dict:
+        used = sum(self.blocks.values())
+        return {"num_running": len(self.blocks), "num_waiting": 0, "kv_cache_usage": used / self.total_blocks,
+                "prefix_cache_queries": 10, "prefix_cache_hits": 4, "num_preemptions": 0,
+                "num_free_blocks": self.total_blocks - used, "num_total_blocks": self.total_blocks}
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+        self.blocks.pop(request_id, None)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        self.stopping = True
+        self.shutdown_deadline = time.perf_counter() + timeout_s
+        while self.blocks and time.perf_counter() < self.shutdown_deadline + 1:
+            await asyncio.sleep(0.005)
+
+    async def generate(self, request_id, prompt_token_ids, params, priority: int = 0):
+        metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.blocks[request_id] = -(-len(prompt_token_ids) // BLOCK_SIZE) * params.n
+        try:
+            metrics.first_scheduled_time = time.perf_counter()
+            produced = 0
+            while True:
+                await asyncio.sleep(self.step_s)
+                if request_id not in self.blocks:
+                    return
+                if self.shutdown_deadline is not None and time.perf_counter() > self.shutdown_deadline:
+                    metrics.finished_time = time.perf_counter()
+                    yield RequestOutput(request_id, prompt_token_ids, [
+                        CompletionOutput(i, "", [], finish_reason="abort", num_output_tokens=produced)
+                        for i in range(params.n)], True, 0, metrics, error="aborted: server shutting down")
+                    return
+                token = prompt_token_ids[produced % len(prompt_token_ids)]
+                produced += 1
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = time.perf_counter()
+                done = produced >= params.max_tokens
+                if done:
+                    metrics.finished_time = time.perf_counter()
+                self.blocks[request_id] = -(-(len(prompt_token_ids) + produced) // BLOCK_SIZE) * params.n
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = [TokenLogprob(token, chr(token), -0.5,
+                                             [(token, chr(token), -0.5)][: params.logprobs])]
+                yield RequestOutput(
+                    request_id, prompt_token_ids,
+                    [CompletionOutput(i, chr(token), [token], logprobs, "length" if done else None,
+                                      num_output_tokens=produced) for i in range(params.n)],
+                    done, 0, metrics,
+                )
+                if done:
+                    return
+        finally:
+            self.blocks.pop(request_id, None)
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def fake():
+    engine = FakeEngine()
+    with LiveServer(build_app(engine, served_model_name="fake")) as live:
+        live.engine = engine
+        yield live
+
+
+def chat(url, content="hi", **extra):
+    body = {"model": "fake", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_chat_round_trip_has_usage_timing_and_server_timing(fake):
+    r = chat(fake.url)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "user"}
+    usage = body["usage"]
+    prompt_len = len("user: hi\nassistant: ")
+    assert usage["prompt_tokens"] == prompt_len and usage["completion_tokens"] == 4
+    assert usage["total_tokens"] == prompt_len + 4
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage["prompt_cache_hit_tokens"] == 0 and usage["prompt_cache_miss_tokens"] == prompt_len
+    assert set(body["sudu"]) == {"queue_s", "prefill_s", "decode_s", "ttft_s", "cached_tokens"}
+    parts = [p.strip() for p in r.headers["server-timing"].split(",")]
+    assert [p.split(";")[0] for p in parts] == ["queue", "prefill", "decode"]
+    assert all(p.split(";")[1].startswith("dur=") for p in parts)
+
+
+def test_stream_shape(fake):
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "n": 2, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", fake.url + "/v1/chat/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "fake" and c["id"] == chunks[0]["id"]
+               and isinstance(c["created"], int) for c in chunks)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert "".join(ch["delta"].get("content", "") for ch in mine) == "use"
+        assert mine[-1]["finish_reason"] == "length" and mine[-1]["delta"] == {}
+    finish_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert all("sudu" in c for c in finish_chunks)
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+    assert "sudu" in usage_chunk
+
+
+def test_completions_multi_prompt_and_logprobs(fake):
+    body = {"model": "fake", "prompt": [[97, 98, 99], [100, 101]], "max_tokens": 2, "logprobs": 1, "echo": True}
+    r = httpx.post(fake.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == ["abcab", "dede"]
+    assert choices[0]["logprobs"]["tokens"] == ["a", "b"]
+    assert choices[0]["logprobs"]["text_offset"] == [3, 4]
+    assert r.json()["usage"]["prompt_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400,
+         "temperature"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400,
+         "temperature"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}, 400, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400,
+         "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+         "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+        ("/v1/completions", {"prompt": ""}, 400, None),
+        ("/v1/completions", {"prompt": [1, 999]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x" * 600}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model"),
+    ],
+)
+def test_bad_inputs_get_openai_errors(fake, path, body, status, param):
+    err = assert_openai_error(httpx.post(fake.url + path, json=body), status)
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param)
+    assert chat(fake.url).status_code == 200
+
+
+def test_too_long_names_the_numbers(fake):
+    err = assert_openai_error(chat(fake.url, max_tokens=100000), 400)
+    assert "100000" in err["message"] and "512" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_malformed_json_route_and_method(fake):
+    r = httpx.post(fake.url + "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert assert_openai_error(r, 400)["code"] == "invalid_json"
+    assert_openai_error(httpx.get(fake.url + "/v1/nothing"), 404)
+    assert_openai_error(httpx.get(fake.url + "/v1/chat/completions"), 405)
+    assert chat(fake.url).status_code == 200
+
+
+def test_unexpected_exception_is_500_and_server_keeps_serving(fake):
+    fake.engine.fail_check_for = "user: boom\nassistant: "
+    try:
+        err = assert_openai_error(chat(fake.url, "boom"), 500)
+        assert err["type"] == "server_error"
+    finally:
+        fake.engine.fail_check_for = None
+    assert chat(fake.url).status_code == 200
+
+
+def test_full_queue_is_429_with_retry_after(fake):
+    fake.engine.full = True
+    try:
+        r = chat(fake.url)
+        assert_openai_error(r, 429)
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        fake.engine.full = False
+    assert chat(fake.url).status_code == 200
+
+
+def test_stream_disconnect_aborts(fake):
+    body = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", fake.url + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while fake.engine.blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fake.engine.blocks == {} and fake.engine.aborted
+
+
+def test_non_stream_disconnect_aborts(fake):
+    before = set(fake.engine.aborted)
+    body = {"messages": [{"role": "user", "content": "y" * 40}], "max_tokens": 400}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fake.url + "/v1/chat/completions", json=body, timeout=0.2)
+    deadline = time.monotonic() + 10
+    while (fake.engine.blocks or fake.engine.aborted == before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fake.engine.blocks == {} and fake.engine.aborted != before
+
+
+def test_metrics_exposition(fake):
+    chat(fake.url)
+    text = httpx.get(fake.url + "/metrics").text
+    for name in ("sudu:time_to_first_token_seconds_bucket", "sudu:inter_token_latency_seconds_bucket",
+                 "sudu:e2e_request_latency_seconds_count", "sudu:request_queue_time_seconds_sum",
+                 "sudu:prompt_tokens_total", "sudu:generation_tokens_total", "sudu:prefix_cache_queries_total 10.0",
+                 "sudu:prefix_cache_hits_total 4.0", 'sudu:request_success_total{finish_reason="length"}',
+                 "sudu:num_requests_running", "sudu:num_requests_waiting", "sudu:kv_cache_usage_perc"):
+        assert name in text, name
+
+
+def test_models_and_openapi(fake):
+    models = httpx.get(fake.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "fake" and models["data"][0]["max_model_len"] == 512
+    schema = httpx.get(fake.url + "/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
+
+
+def test_api_key():
+    with LiveServer(build_app(FakeEngine(), api_key="sekrit")) as live:
+        assert_openai_error(chat(live.url), 401)
+        r = httpx.post(live.url + "/v1/chat/completions", headers={"Authorization": "Bearer wrong"},
+                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        assert assert_openai_error(r, 401)["type"] == "authentication_error"
+        r = httpx.post(live.url + "/v1/chat/completions", headers={"Authorization": "Bearer sekrit"},
+                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        assert r.status_code == 200
+        assert httpx.get(live.url + "/health").status_code == 200
+        assert httpx.get(live.url + "/metrics").status_code == 200
+
+
+def test_health_is_503_until_loaded():
+    release = threading.Event()
+
+    def load():
+        release.wait(30)
+        return FakeEngine()
+
+    with LiveServer(build_app(load_engine=load)) as live:
+        assert httpx.get(live.url + "/health").status_code == 503
+        assert_openai_error(chat(live.url), 503)
+        release.set()
+        live.wait_healthy(30)
+        assert chat(live.url, model="fake-model").status_code == 200
+
+
+def test_graceful_shutdown_ends_streams_with_an_error_event():
+    engine = FakeEngine(step_s=0.01)
+    app = build_app(engine, shutdown_timeout_s=0.2)
+    live = LiveServer(app).__enter__()
+    events: list = []
+
+    def consume():
+        body = {"messages": [{"role": "user", "content": "z"}], "max_tokens": 10000 // 30, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            events.extend(sse_events(r))
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    while not engine.blocks:
+        time.sleep(0.01)
+    live.stop()
+    reader.join(30)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "request_aborted"
+    assert any(e["choices"] and e["choices"][0]["delta"].get("content") for e in events[:-2])
