@@ -1,0 +1,212 @@
+"""The suites of sudu bench and the run state they fill: `single` (one short cold chat turn, repeated),
+`throughput` (a sweep over concurrency levels and/or request rates), `cache` (TTFT cold vs warm vs
+shared-prefix at several prompt lengths) and `tasks` (checked end-to-end tasks, timed to a passing
+answer). Every request lands in Run.records as soon as it finishes, so an interrupted run still has
+everything measured so far."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from sudu.bench.client import RequestRecord, chat_body, stream_chat
+from sudu.bench.metrics import request_metrics
+from sudu.bench.tasks import build_task
+from sudu.bench.workloads import (
+    LONG_ANSWER_QUESTION,
+    SHORT_QUESTION,
+    arrival_offsets,
+    filler_text,
+    long_prompt,
+    make_messages,
+    salt,
+)
+
+DEFAULT_CONTEXT_LEN = 4096
+_CONTEXT_KEYS = ("max_model_len", "context_length", "context_window", "max_context_length", "n_ctx", "n_ctx_train")
+
+
+@dataclass
+class Group:
+    """One workload point: its records share `name`; `params` say what was varied."""
+
+    name: str
+    cache_state: str
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    suite: str
+    target: dict
+    config: dict
+    records: list[RequestRecord] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
+    task_results: list[dict] = field(default_factory=list)
+    server_info: dict = field(default_factory=dict)
+    token_recount: str = ""
+    overhead: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    partial: bool = False
+
+
+@dataclass
+class Ctx:
+    """What every request needs: the HTTP client, where to send, how to count tokens, where to record."""
+
+    client: httpx.AsyncClient
+    base: str
+    headers: dict
+    model: str
+    run: Run
+    count_tokens: Callable[[str], int] | None = None
+    extra_body: dict = field(default_factory=dict)
+    on_done: Callable[[RequestRecord], None] | None = None
+    ids: itertools.count = field(default_factory=itertools.count)
+
+
+async def send(ctx: Ctx, group: str, cache_state: str, messages: list[dict], max_tokens: int,
+               warmup: bool = False, task: str | None = None) -> RequestRecord:
+    rec = RequestRecord(request_id=next(ctx.ids), group=group, cache_state=cache_state, warmup=warmup, task=task)
+    body = chat_body(ctx.model, messages, max_tokens, **ctx.extra_body)
+    await stream_chat(ctx.client, ctx.base, body, ctx.headers, rec, ctx.count_tokens)
+    rec.metrics = request_metrics(rec)
+    if ctx.count_tokens is not None and rec.ok:
+        rec.metrics["output_tokens_recounted"] = ctx.count_tokens(rec.text)
+    ctx.run.records.append(rec)
+    if ctx.on_done is not None:
+        ctx.on_done(rec)
+    return rec
+
+
+def context_len_from_server(server_info: dict) -> int | None:
+    models = (server_info.get("models") or {}).get("data") or []
+    for entry in models:
+        for source in (entry, entry.get("meta") or {}):
+            for key in _CONTEXT_KEYS:
+                if isinstance(source.get(key), int) and source[key] > 0:
+                    return source[key]
+    return None
+
+
+async def warmup(ctx: Ctx, n: int, max_tokens: int = 16) -> None:
+    for _ in range(n):
+        await send(ctx, "warmup", "cold", make_messages("cold", SHORT_QUESTION), max_tokens, warmup=True)
+
+
+def planned_single(n: int, warmups: int) -> int:
+    return n + warmups
+
+
+async def run_single(ctx: Ctx, n: int, warmups: int, max_tokens: int) -> None:
+    await warmup(ctx, warmups)
+    ctx.run.groups.append(Group("single", "cold", {"max_tokens": max_tokens}))
+    for _ in range(n):
+        await send(ctx, "single", "cold", make_messages("cold", SHORT_QUESTION), max_tokens)
+
+
+def throughput_levels(concurrencies: list[int], rates: list[float], max_concurrency: int | None) -> list[Group]:
+    levels = [Group(f"concurrency={c}", "cold", {"concurrency": c}) for c in concurrencies]
+    levels += [Group(f"rate={r:g}", "cold", {"rate": r, "max_concurrency": max_concurrency}) for r in rates]
+    return levels
+
+
+async def run_throughput(ctx: Ctx, levels: list[Group], n: int, warmups: int, input_words: int, output_len: int,
+                         arrival: str, burstiness: float, seed: int) -> None:
+    await warmup(ctx, warmups)
+    base_prompt = long_prompt(input_words, seed, LONG_ANSWER_QUESTION) if input_words else LONG_ANSWER_QUESTION
+    for level in levels:
+        ctx.run.groups.append(level)
+        conc = level.params.get("concurrency") or level.params.get("max_concurrency")
+        sem = asyncio.Semaphore(conc) if conc else None
+        level.params["arrival"] = arrival if "rate" in level.params else "closed-loop"
+        if arrival == "gamma" and "rate" in level.params:
+            level.params["burstiness"] = burstiness
+        offsets = arrival_offsets(n, level.params.get("rate"), arrival, burstiness, seed)
+        t0 = time.perf_counter()
+
+        async def one(offset: float) -> None:
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                await send(ctx, level.name, "cold", make_messages("cold", base_prompt), output_len)
+                return
+            async with sem:
+                await send(ctx, level.name, "cold", make_messages("cold", base_prompt), output_len)
+
+        await asyncio.gather(*(one(o) for o in offsets))
+
+
+def planned_cache(lengths: list[int], n: int) -> int:
+    return len(lengths) * (n + 2 * n + n + 1)
+
+
+async def run_cache(ctx: Ctx, lengths: list[int], n: int, max_tokens: int, seed: int) -> None:
+    """Per prompt length: n cold requests; n warm ones (each right after an identical, excluded
+    priming request); n shared-prefix ones (a common system prompt primed once, distinct tails)."""
+    for length in lengths:
+        cold = Group(f"cold len={length}", "cold", {"prompt_words": length})
+        warm = Group(f"warm len={length}", "warm", {"prompt_words": length})
+        shared = Group(f"shared-prefix len={length}", "shared-prefix", {"prompt_words": length})
+        ctx.run.groups += [cold, warm, shared]
+        for i in range(n):
+            await send(ctx, cold.name, "cold", make_messages("cold", long_prompt(length, seed + i)), max_tokens)
+        for i in range(n):
+            messages = make_messages("warm", salt() + long_prompt(length, seed + i))
+            await send(ctx, warm.name, "cold", messages, max_tokens, warmup=True)
+            await send(ctx, warm.name, "warm", messages, max_tokens)
+        system = salt() + "Answer questions about this text.\n\n" + filler_text(length, seed)
+        await send(ctx, shared.name, "cold", make_messages("shared-prefix", "Say OK.", system), max_tokens, warmup=True)
+        for i in range(n):
+            tail = f"Question {i} ({salt().strip()}): which word appears most often in the text?"
+            await send(ctx, shared.name, "shared-prefix", make_messages("shared-prefix", tail, system), max_tokens)
+
+
+def retry_message(detail: str) -> str:
+    return (f"Your answer did not pass the check: {detail}. Reply with a corrected, complete answer "
+            "in the requested format.")
+
+
+async def run_tasks(ctx: Ctx, names: list[str], repeat: int, attempts: int, context_len: int,
+                    retrieval_fraction: float, warmups: int, seed: int,
+                    on_task_done: Callable[[dict], None] | None = None) -> None:
+    """Each task: start the clock, ask, check; on failure send the checker's verdict back and ask again
+    (up to `attempts` calls, every one counted). Time stops when an answer passes the checker."""
+    await warmup(ctx, warmups)
+    for name in names:
+        group = f"task {name}"
+        ctx.run.groups.append(Group(group, "cold", {"task": name}))
+        for r in range(repeat):
+            inst = build_task(name, context_len, seed + r, retrieval_fraction)
+            messages = make_messages("cold", inst.messages[0]["content"]) + inst.messages[1:]
+            result = {"task": name, "repeat": r, "passed": False, "task_time_s": None, "calls": 0,
+                      "model_time_s": 0.0, "output_tokens": 0, "detail": "", "info": inst.info}
+            t0 = time.perf_counter()
+            for attempt in range(attempts):
+                state = "cold" if attempt == 0 else "shared-prefix"
+                rec = await send(ctx, group, state, messages, inst.max_tokens, task=name)
+                result["calls"] += 1
+                result["model_time_s"] += rec.done_s or 0.0
+                result["output_tokens"] += rec.metrics.get("output_tokens") or 0
+                if not rec.ok:
+                    result["detail"] = f"request failed: {rec.error}"
+                    break
+                verdict = inst.check(rec.text)
+                result["detail"] = verdict.detail
+                if verdict.passed:
+                    result["passed"] = True
+                    result["task_time_s"] = time.perf_counter() - t0
+                    break
+                messages = messages + [{"role": "assistant", "content": rec.text},
+                                       {"role": "user", "content": retry_message(verdict.detail)}]
+            result["elapsed_s"] = time.perf_counter() - t0
+            ctx.run.task_results.append(result)
+            if on_task_done is not None:
+                on_task_done(result)
