@@ -8,10 +8,12 @@ class RotaryEmbedding:
     """cos/sin tables for one (head_dim, base, scaling) triple, computed once up to max_positions."""
 
     def __init__(self, head_dim: int, base: float, max_positions: int, scaling_factor: float | None = None):
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # explicit device: networks are built under torch.device("meta") before their weights load
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
         if scaling_factor:
             inv_freq = inv_freq / scaling_factor
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device=cpu)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos()

@@ -1,0 +1,263 @@
+"""LLMEngine: add_request / step / abort over the scheduler, block manager, model runner and sampler.
+
+Each step schedules a batch, runs one forward pass, samples the sequences whose chunk reached their
+end, applies stop conditions, and returns one RequestOutput (deltas) per request that advanced.
+A request with n > 1 is n sequences; the siblings of choice 0 are held back until its prompt is in
+the prefix cache, so they share the prompt's full blocks instead of recomputing them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sudu.config import EngineConfig
+from sudu.engine.block_manager import BlockManager
+from sudu.engine.model_runner import DTYPES, ModelRunner, load_network
+from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from sudu.engine.scheduler import Scheduler
+from sudu.engine.sequence import Sequence, SequenceStatus
+from sudu.errors import RequestTooLongError
+from sudu.layers.sampler import Sampler, SamplingRow
+from sudu.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_MODEL_LEN_CAP = 32768
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    error: str | None = None
+    pending: list[CompletionOutput] = field(default_factory=list)  # outputs produced outside step()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        from sudu.weights.loader import load_checkpoint
+
+        config.validate()
+        self.config = config
+        ckpt = load_checkpoint(config.model, pull=True, progress=progress)
+        self.model_config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.model_path = ckpt.path
+        model = load_network(ckpt.config, ckpt.tensors(DTYPES[config.dtype]), DTYPES[config.dtype])
+        limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
+        self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
+        self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, RequestState] = {}
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(ckpt.config.eos_token_id)
+        self.num_steps = 0
+        self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
+        log.info(
+            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens",
+            ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size,
+        )
+
+    # ---- admission ----------------------------------------------------------------------------
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The number of tokens this request may generate; raises if it can never fit."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        pool_tokens = self.runner.num_blocks * self.config.block_size
+        limit = min(self.max_model_len, pool_tokens)
+        if num_prompt_tokens >= limit:
+            raise RequestTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} tokens "
+                f"(max_model_len {self.max_model_len}, KV pool {pool_tokens}), leaving no room to generate"
+            )
+        if params.max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise RequestTooLongError(
+                f"{num_prompt_tokens} prompt tokens + {params.max_tokens} max_tokens = "
+                f"{num_prompt_tokens + params.max_tokens} > {limit}, the most this engine can hold for one sequence"
+            )
+        return params.max_tokens
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        params.validate()
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return self.resolve_max_tokens(len(prompt_token_ids), params)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        from sudu.tokenizer import IncrementalDetokenizer
+
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self.check_request(prompt_ids, params)
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(
+                request_id=request_id, index=index, token_ids=list(prompt_ids),
+                num_prompt_tokens=len(prompt_ids), params=params, priority=priority,
+                arrival_time=now, max_total_tokens=len(prompt_ids) + max_tokens,
+            )
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed + index)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            seq.held_back = index > 0
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, RequestMetrics(now))
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        state.error = error
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                state.pending.append(self._take_delta(seq))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        touched: dict[str, RequestState] = {rid: s for rid, s in self.requests.items() if s.pending}
+        scheduled = self.scheduler.schedule()
+        if scheduled:
+            now = time.perf_counter()
+            for s in scheduled:
+                m = self.requests[s.seq.request_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+            logits = self.runner.execute(scheduled)
+            self.num_steps += 1
+            sampling = []
+            for s in scheduled:
+                if s.samples:
+                    sampling.append(s.seq)
+                self.num_computed_tokens += s.num_new_tokens
+                s.seq.num_computed_tokens += s.num_new_tokens
+                self.block_manager.commit(s.seq)
+            rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, q.generator) for q in sampling]
+            sampled = self.sampler(logits, rows) if sampling else []
+            now = time.perf_counter()
+            for seq, tok in zip(sampling, sampled):
+                state = self.requests[seq.request_id]
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                if seq.index == 0 and seq.num_output_tokens == 0:
+                    for sibling in state.seqs[1:]:
+                        sibling.held_back = False
+                self._append_token(seq, tok)
+                touched[seq.request_id] = state
+        return [self._make_output(state) for state in touched.values()]
+
+    def _append_token(self, seq: Sequence, tok) -> None:
+        p = seq.params
+        token = tok.token_id
+        seq.token_ids.append(token)
+        seq.new_token_ids.append(token)
+        if p.logprobs is not None:
+            decode = self.tokenizer.decode
+            seq.new_logprobs.append(TokenLogprob(
+                token, decode([token], skip_special_tokens=False), tok.logprob,
+                [(t, decode([t], skip_special_tokens=False), lp) for t, lp in (tok.top or [])],
+            ))
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        text = seq.pending_text + seq.detokenizer.add([token])
+        seq.pending_text = ""
+        if p.stop:
+            hit = min(((text.find(s), s) for s in p.stop if s in text), default=None)
+            if hit is not None:
+                seq.new_text += text[: hit[0]]
+                return self._finish(seq, "stop", hit[1], flush=False)
+            hold = _stop_prefix_len(text, p.stop)
+            seq.new_text += text[: len(text) - hold]
+            seq.pending_text = text[len(text) - hold:]
+        else:
+            seq.new_text += text
+        if seq.num_tokens >= seq.max_total_tokens:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, flush: bool = True) -> None:
+        if flush:
+            seq.new_text += seq.pending_text + seq.detokenizer.flush()
+        seq.pending_text = ""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _take_delta(self, seq: Sequence) -> CompletionOutput:
+        out = CompletionOutput(
+            index=seq.index, text=seq.new_text, token_ids=seq.new_token_ids,
+            logprobs=seq.new_logprobs if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            num_output_tokens=seq.num_output_tokens,
+        )
+        seq.new_text, seq.new_token_ids, seq.new_logprobs = "", [], []
+        return out
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        outputs = state.pending
+        state.pending = []
+        for seq in state.seqs:
+            if seq.new_token_ids:  # every finish except abort comes with the token that caused it
+                outputs.append(self._take_delta(seq))
+        finished = state.finished
+        if finished:
+            state.metrics.finished_time = time.perf_counter()
+            del self.requests[state.request_id]
+        return RequestOutput(
+            request_id=state.request_id, prompt_token_ids=state.prompt_token_ids, outputs=outputs,
+            finished=finished, num_cached_tokens=state.seqs[0].num_cached_tokens or 0,
+            metrics=state.metrics, error=state.error,
+        )
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_queries": bm.stats.queries,
+            "prefix_cache_hits": bm.stats.hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+        }
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of text that is the start of some stop string (held back)."""
+    longest = min(len(text), max(len(s) for s in stops) - 1)
+    for k in range(longest, 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return k
+    return 0

@@ -1,0 +1,111 @@
+"""Continuous batching with chunked prefill.
+
+Each step fills a token budget (max_num_batched_tokens): first the running sequences, oldest first
+(a decode costs one token, an unfinished prefill takes the next chunk that fits), then waiting
+sequences in priority order, each starting with whatever the prefix cache already holds. Prefill chunks
+and decodes go into one forward pass, so a long prompt advances a chunk at a time while the other
+streams keep decoding. When the pool runs out of blocks the least urgent running sequence (worst
+priority, newest) is preempted: its blocks are freed and it is recomputed later (its full blocks are
+likely still in the prefix cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sudu.engine.block_manager import BlockManager
+from sudu.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so this step yields its next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(not s.held_back for s in self.waiting)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_sequence(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        bm = self.block_manager
+
+        self.running.sort(key=Sequence.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            bm.allocate(seq, n)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+
+        self.waiting.sort(key=Sequence.sort_key)
+        admitted = []
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
+                break
+            if seq.held_back:
+                continue
+            cached = bm.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_allocate(seq, n):
+                bm.free_sequence(seq)  # first come, first served: nobody overtakes it
+                break
+            if seq.num_cached_tokens is None:  # first admission (not a re-admission after preemption)
+                seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+                bm.stats.queries += seq.num_prompt_tokens
+                bm.stats.hits += seq.num_cached_tokens
+            bm.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        for seq in admitted:
+            self.waiting.remove(seq)
+            self.running.append(seq)
+        return scheduled
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.remove(seq)

@@ -1,0 +1,76 @@
+"""One sequence's state: its tokens, how many of them have KV in the pool, its block table, and the
+text it has produced so far (with stop strings held back until they can no longer match)."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from sudu.engine.outputs import TokenLogprob
+from sudu.sampling import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # choice index within its request
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    max_total_tokens: int  # prompt + the most tokens it may generate
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
+    generator: torch.Generator | None = None
+    # text bookkeeping (engine side)
+    detokenizer: object = None
+    pending_text: str = ""  # decoded but held back: could still be the start of a stop string
+    new_text: str = ""  # ready to emit at the next output
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    held_back: bool = False  # n > 1 siblings wait until the first choice's prompt is in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple:
+        """Smaller goes first: priority (lower value = more urgent), then arrival."""
+        return (self.priority, self.arrival_time, self.seq_id)

@@ -1,0 +1,222 @@
+"""Engine behaviour a user would notice: greedy output equals the transformers reference and does not
+depend on batch composition, prefix caching, chunk size or preemption; the prefix cache reports and
+skips what it serves; sampling is reproducible by seed; stop conditions are exact; nothing leaks."""
+import random
+
+import pytest
+import torch
+
+from sudu.engine.llm import LLM
+from sudu.errors import RequestTooLongError
+from sudu.sampling import SamplingParams
+from tests.tiny_models import build_hf_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompts_of(lengths, vocab=380, seed=0):
+    g = random.Random(seed)
+    return [[g.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def reference_greedy(hf, prompt, n):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_model_dirs):
+    cache = {}
+
+    def get(arch="qwen2", **cfg):
+        key = (arch, tuple(sorted(cfg.items())))
+        if key not in cache:
+            cache[key] = LLM(str(tiny_model_dirs[arch]), progress=False, **cfg)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3"])
+def test_greedy_equals_transformers(llms, arch):
+    hf = build_hf_model(arch, seed=0)
+    llm = llms(arch)
+    prompts = prompts_of([3, 11, 20], seed=1)  # 20 > the tiny gemma window of 8
+    results = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference_greedy(hf, p, 12)
+        assert r.finish_reason == "length"
+
+
+def test_batch_of_16_equals_one_by_one(llms):
+    llm = llms()
+    prompts = prompts_of([1, 2, 5, 9, 15, 16, 17, 31, 33, 40, 47, 64, 65, 70, 3, 100], seed=2)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    batched = [r.token_ids for r in llm.generate(prompts, params)]
+    single = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert batched == single
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=16),
+    dict(max_num_batched_tokens=64),
+    dict(max_num_batched_tokens=100000),
+    dict(kv_cache_memory=24 * 16 * 512),  # 24 blocks of 16 tokens (512 bytes a token): forces preemption
+])
+def test_greedy_identical_across_engine_configs(llms, cfg):
+    prompts = prompts_of([5, 40, 70, 100, 130, 17, 64, 90], seed=3)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    base = [r.token_ids for r in llms().generate(prompts, params)]
+    llm = llms(**cfg)
+    got = [r.token_ids for r in llm.generate(prompts, params)]
+    assert got == base
+    if "kv_cache_memory" in cfg:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_repeated_request_is_served_from_prefix_cache(llms):
+    llm = llms()
+    prompt = prompts_of([75], seed=4)[0]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    first = llm.generate([prompt], params)[0]
+    computed_before = llm.engine.num_computed_tokens
+    second = llm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64  # 4 full blocks of 16; the 75th token is always recomputed
+    # prefill computed only the uncached 11 tokens; the 3 later decode steps one token each
+    assert llm.engine.num_computed_tokens - computed_before == (75 - 64) + 3
+    assert second.token_ids == first.token_ids
+
+
+def test_request_that_can_never_fit_fails_at_admission(llms):
+    llm = llms(max_model_len=64)
+    with pytest.raises(RequestTooLongError, match="64"):
+        llm.generate([[1] * 60], SamplingParams(max_tokens=10))
+    with pytest.raises(RequestTooLongError):
+        llm.generate([[1] * 64], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+
+
+def test_seeded_sampling_reproducible_across_batch_compositions(llms):
+    llm = llms()
+    target = prompts_of([12], seed=5)[0]
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([target], p)[0].token_ids
+    others = prompts_of([3, 30, 7], seed=6)
+    mixed = llm.generate(others[:2] + [target] + others[2:],
+                         [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 2 + [p]
+                         + [SamplingParams(max_tokens=5, **GREEDY)])[2].token_ids
+    assert alone == mixed
+    other_seed = llm.generate([target], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99,
+                                                       max_tokens=16, ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_string_across_token_boundary_is_never_emitted(llms):
+    llm = llms()
+    tok = llm.tokenizer
+
+    def find_case():
+        # a random model emits byte fragments too: look for three plain-text tokens in a row, and a stop
+        # string from the last character of the first to the first character of the third
+        for seed in range(50):
+            prompt = prompts_of([9], seed=1000 + seed)[0]
+            params = dict(temperature=1.0, seed=seed, max_tokens=30, ignore_eos=True)
+            full = llm.generate([prompt], SamplingParams(**params))[0]
+            text, ids = full.text, full.token_ids
+            for i in range(1, len(ids) - 3):
+                if not all(tok.decode([t]).isascii() and tok.decode([t]).strip() for t in ids[i:i + 3]):
+                    continue
+                start = len(tok.decode(ids[:i + 1])) - 1
+                stop = text[start:len(tok.decode(ids[:i + 2])) + 1]
+                if text.find(stop) == start and text[:start] == tok.decode(ids[:i + 1])[:-1]:
+                    return prompt, params, text, start, stop
+        pytest.fail("no sample with three plain-text tokens in a row")
+
+    prompt, params, text, start, stop = find_case()
+    got = llm.generate([prompt], SamplingParams(stop=[stop], **params))[0]
+    assert got.text == text[:start]
+    assert got.finish_reason == "stop" and got.outputs[0].stop_reason == stop
+
+
+def test_eos_and_stop_token_ids_end_generation(llms):
+    llm = llms()
+    prompt = prompts_of([9], seed=8)[0]
+    ids = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))[0].token_ids
+    stop_tok = ids[6]
+    got = llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[stop_tok], **GREEDY))[0]
+    assert got.token_ids == ids[: ids.index(stop_tok) + 1]
+    assert got.finish_reason == "stop" and got.outputs[0].stop_reason == stop_tok
+
+
+def test_logprobs_with_top_alternatives(llms, tiny_model_dirs):
+    llm = llms()
+    hf = build_hf_model("qwen2", seed=0)
+    prompt = prompts_of([10], seed=9)[0]
+    r = llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=5, **GREEDY))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + r.token_ids])).logits[0].float(), -1)
+    for i, lp in enumerate(r.outputs[0].logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == r.token_ids[i]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
+        assert [t for t, _, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+
+
+def test_n_choices_share_the_prompt_blocks(llms):
+    llm = llms()
+    prompt = prompts_of([50], seed=10)[0]
+    hits_before = llm.engine.block_manager.stats.hits
+    r = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in r.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in r.outputs)
+    assert len({tuple(c.token_ids) for c in r.outputs}) > 1
+    assert llm.engine.block_manager.stats.hits - hits_before == 2 * 48  # two siblings x 3 full blocks
+
+
+def test_penalties_change_greedy_choice(llms):
+    llm = llms()
+    prompt = prompts_of([6], seed=11)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))[0].token_ids
+    penal = llm.generate([prompt], SamplingParams(max_tokens=20, repetition_penalty=1.5,
+                                                  frequency_penalty=1.0, **GREEDY))[0].token_ids
+    assert penal != plain
+    assert len(set(penal)) >= len(set(plain))
+
+
+def test_randomized_stress_returns_every_block(llms):
+    """1,000 requests with random lengths, n > 1 and aborts under a small pool; every request ends and
+    every block comes back."""
+    llm = llms(kv_cache_memory=96 * 16 * 512, max_num_seqs=32, max_num_batched_tokens=256)
+    eng = llm.engine
+    rng = random.Random(12)
+    live, finished, aborted = set(), set(), set()
+    next_id = 0
+    while next_id < 1000 or eng.has_unfinished():
+        for _ in range(rng.randrange(0, 12)):
+            if next_id >= 1000:
+                break
+            rid = f"s{next_id}"
+            next_id += 1
+            prompt = [rng.randrange(380) for _ in range(rng.randrange(1, 60))]
+            params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), temperature=rng.choice([0.0, 0.8]),
+                                    max_tokens=rng.randrange(1, 12), seed=rng.randrange(100))
+            eng.add_request(rid, prompt, params, priority=rng.randrange(3))
+            live.add(rid)
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+                finished.add(out.request_id)
+        if live and rng.random() < 0.1:
+            victim = rng.choice(sorted(live))
+            eng.abort(victim)
+            aborted.add(victim)
+    assert len(finished) == 1000 and not live
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
+    assert not eng.scheduler.running and not eng.scheduler.waiting
