@@ -124,7 +124,7 @@ class FakeEngine:
     def check_request(self, num_prompt_tokens: int, params) -> None:
         if self.fail_check_for is not None and num_prompt_tokens == len(self.fail_check_for):
             raise RuntimeError("injected failure")
-        if num_prompt_tokens + (params.max_tokens or 0) > self.max_model_len:
+        if num_prompt_tokens >= self.max_model_len or num_prompt_tokens + (params.max_tokens or 0) > self.max_model_len:
             raise RequestTooLongError(f"{num_prompt_tokens} prompt tokens + {params.max_tokens} max_tokens > "
                                       f"{self.max_model_len} (the context)")
 
@@ -146,6 +146,7 @@ class FakeEngine:
 
     async def generate(self, request_id, prompt_token_ids, params, priority: int = 0):
         metrics = RequestMetrics(arrival_time=time.perf_counter())
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         self.blocks[request_id] = -(-len(prompt_token_ids) // BLOCK_SIZE) * params.n
         try:
             metrics.first_scheduled_time = time.perf_counter()
@@ -164,7 +165,7 @@ class FakeEngine:
                 produced += 1
                 if metrics.first_token_time is None:
                     metrics.first_token_time = time.perf_counter()
-                done = produced >= params.max_tokens
+                done = produced >= max_tokens
                 if done:
                     metrics.finished_time = time.perf_counter()
                 self.blocks[request_id] = -(-(len(prompt_token_ids) + produced) // BLOCK_SIZE) * params.n

@@ -384,27 +384,24 @@ class _Job:
 
 def _make_jobs(engine, id_prefix: str, prompts: list[list[int]], body: P._SamplingFields, max_tokens: int | None,
                logprobs: int | None, prompt_param: str) -> list[_Job]:
+    """One engine request per prompt, each checked against the context before anything is queued.
+    max_tokens None lets the engine give each prompt the rest of its context."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    params = _sampling_params(body, max_tokens, logprobs)
     jobs = []
     for i, ids in enumerate(prompts):
-        room = engine.max_model_len - len(ids)
-        if max_tokens is None and room < 1:
-            raise APIError(400, f"The prompt has {len(ids)} tokens, which leaves no room to generate in the "
-                           f"context of {engine.max_model_len} tokens", param=prompt_param,
-                           code="context_length_exceeded")
-        params = _sampling_params(body, max_tokens if max_tokens is not None else room, logprobs)
         try:
             engine.check_request(len(ids), params)
         except RequestTooLongError as exc:
             raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
-        except SuduError as exc:
+        except (SuduError, ValueError) as exc:
             raise APIError(400, str(exc), param=prompt_param, code="invalid_value") from exc
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         jobs.append(_Job(rid, ids, params, body.priority))
     return jobs
 
 
-def _sampling_params(body: P._SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: P._SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     try:
         return SamplingParams(
