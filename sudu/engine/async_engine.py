@@ -1,0 +1,173 @@
+"""AsyncLLMEngine: runs LLMEngine.step() in its own thread and streams each request's outputs to an
+asyncio consumer, so the HTTP event loop never waits on a forward pass.
+
+The event loop never touches the engine directly: adds and aborts go through a command queue that the
+engine thread drains between steps; outputs come back through each request's asyncio.Queue via
+call_soon_threadsafe. Validation that needs no engine state (lengths, sampling params) runs in the
+caller, so a bad request fails synchronously with a clear error.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from sudu.config import EngineConfig
+from sudu.engine.llm_engine import LLMEngine
+from sudu.engine.outputs import RequestOutput
+from sudu.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, max_queue_len: int = 256, progress: bool = True,
+                 engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config, progress=progress)
+        self.config = config
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = config.model
+        self.max_model_len = self.engine.max_model_len
+        self.max_queue_len = max_queue_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._accepting = True
+        self._stats = self.engine.stats()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sudu-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting; let in-flight requests finish for up to timeout_s, then fail the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        while self.num_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._streams_lock:
+            left = list(self._streams)
+        for rid in left:
+            self._commands.put(("abort", rid, "the server is shutting down"))
+        self._wake.set()
+        while self.num_unfinished() and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.02)
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+            self._thread = None
+
+    # ---- requests -------------------------------------------------------------------------------
+    def num_unfinished(self) -> int:
+        with self._streams_lock:
+            return len(self._streams)
+
+    def is_full(self) -> bool:
+        return self.num_unfinished() >= self.config.max_num_seqs + self.max_queue_len
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def check_request(self, num_prompt_tokens: int | list[int], params: SamplingParams) -> int:
+        """Raise RequestTooLongError / ValueError now for a request that can never run."""
+        if isinstance(num_prompt_tokens, list):
+            return self.engine.check_request(num_prompt_tokens, params)
+        params.validate()
+        return self.engine.resolve_max_tokens(num_prompt_tokens, params)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        if not self._accepting:
+            raise RuntimeError("the engine is shutting down")
+        self.engine.check_request(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._commands.put(("add", request_id, (prompt_token_ids, params, priority, time.perf_counter())))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                out = await stream.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        """Engine counters as of the last step (read without stopping the engine thread)."""
+        return dict(self._stats)
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+            if stream is not None and (isinstance(item, BaseException) or item.finished):
+                del self._streams[request_id]
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                kind, rid, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                prompt, params, priority, arrival = payload
+                try:
+                    eng.add_request(rid, prompt, params, priority=priority, arrival_time=arrival)
+                except Exception as exc:  # validated by the caller already; never kill the loop
+                    self._deliver(rid, exc)
+            elif rid in eng.requests:
+                eng.abort(rid, error=payload)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stopping:
+            self._drain_commands()
+            if not eng.has_unfinished():
+                self._stats = eng.stats()
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing the requests in flight")
+                for rid in list(eng.requests):
+                    eng.abort(rid, error=f"internal engine error: {exc}")
+                outputs = eng.step()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._stats = eng.stats()
