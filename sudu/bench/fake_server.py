@@ -106,6 +106,7 @@ class FakeServer:
         self.port = port
         self.requests: list[dict] = []  # every chat body received
         self.sent_at_s: list[list[float]] = []  # per request: actual send offsets of each event
+        self._active = 0  # streams being sent right now
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
@@ -134,8 +135,12 @@ class FakeServer:
                 body = json.loads(raw or b"{}")
                 self.requests.append(body)
                 script = self.script_fn(body)
-                if not await self._send_script(writer, script, t0):
-                    return
+                self._active += 1
+                try:
+                    if not await self._send_script(writer, script, t0):
+                        return
+                finally:
+                    self._active -= 1
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -155,10 +160,15 @@ class FakeServer:
         await writer.drain()
 
     async def _wait_until(self, t0: float, at_s: float) -> None:
-        # asyncio's timers wake up to ~1 ms late (epoll's millisecond timeout); the last stretch is
-        # slept with time.sleep, which releases the GIL and is accurate to tens of microseconds.
+        # asyncio's timers wake up to ~1 ms late (epoll's millisecond timeout); with one stream in
+        # flight the last stretch is slept with time.sleep (GIL released, accurate to tens of us). With
+        # several, blocking the loop would delay the others, so they get asyncio's precision.
         target = t0 + at_s
         delay = target - time.perf_counter()
+        if self._active > 1:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return
         if delay > _FINE_WAIT_S:
             await asyncio.sleep(delay - _FINE_WAIT_S)
         while (left := target - time.perf_counter()) > 0:

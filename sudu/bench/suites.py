@@ -11,9 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import httpx
-
-from sudu.bench.client import RequestRecord, chat_body, stream_chat
+from sudu.bench.client import ClientPool, RequestRecord, chat_body, stream_chat
 from sudu.bench.metrics import request_metrics
 from sudu.bench.tasks import build_task
 from sudu.bench.workloads import (
@@ -60,7 +58,7 @@ class Run:
 class Ctx:
     """What every request needs: the HTTP client, where to send, how to count tokens, where to record."""
 
-    client: httpx.AsyncClient
+    pool: ClientPool
     base: str
     headers: dict
     model: str
@@ -75,7 +73,8 @@ async def send(ctx: Ctx, group: str, cache_state: str, messages: list[dict], max
                warmup: bool = False, task: str | None = None) -> RequestRecord:
     rec = RequestRecord(request_id=next(ctx.ids), group=group, cache_state=cache_state, warmup=warmup, task=task)
     body = chat_body(ctx.model, messages, max_tokens, **ctx.extra_body)
-    await stream_chat(ctx.client, ctx.base, body, ctx.headers, rec, ctx.count_tokens)
+    async with ctx.pool.acquire() as client:
+        await stream_chat(client, ctx.base, body, ctx.headers, rec, ctx.count_tokens)
     rec.metrics = request_metrics(rec)
     if ctx.count_tokens is not None and rec.ok:
         rec.metrics["output_tokens_recounted"] = ctx.count_tokens(rec.text)

@@ -1,11 +1,23 @@
-"""Re-counting output tokens with the model's own tokenizer (sudu.tokenizer), when sudu knows the
-model. Everything is imported lazily and every failure degrades to "not recounted": the bench works
-against any server, with or without sudu's engine installed."""
+"""Re-counting output tokens with the model's own tokenizer (sudu.tokenizer), when the model name is in
+sudu's catalog and its file is present. Everything is imported lazily and every failure degrades to
+"not recounted": the bench works against any server, with or without sudu's engine installed."""
 from __future__ import annotations
 
 from typing import Callable
 
 NOT_RECOUNTED = "not recounted"
+_LOADER_NAMES = ("from_path", "from_file", "from_model", "load")
+
+
+def _load(tokenizer_module, path: str):
+    loader = getattr(tokenizer_module, "load_tokenizer", None)
+    if loader is not None:
+        return loader(path)
+    cls = getattr(tokenizer_module, "Tokenizer")
+    for name in _LOADER_NAMES:
+        if hasattr(cls, name):
+            return getattr(cls, name)(path)
+    return cls(path)
 
 
 def load_token_counter(model: str | None) -> tuple[Callable[[str], int] | None, str]:
@@ -13,19 +25,17 @@ def load_token_counter(model: str | None) -> tuple[Callable[[str], int] | None, 
     if not model:
         return None, f"{NOT_RECOUNTED}: no model name"
     try:
-        from sudu import tokenizer as tokenizer_module
-    except Exception as exc:  # the engine side is optional for the bench: any import failure degrades
-        return None, f"{NOT_RECOUNTED}: sudu.tokenizer unavailable ({type(exc).__name__})"
-    loader = getattr(tokenizer_module, "load_tokenizer", None)
-    cls = getattr(tokenizer_module, "Tokenizer", None)
-    if loader is None and cls is not None:
-        loader = getattr(cls, "from_model", None) or getattr(cls, "load", None)
-    if loader is None:
-        return None, f"{NOT_RECOUNTED}: sudu.tokenizer has no loader"
+        from sudu.weights import catalog
+
+        path = catalog.resolve_model_path(model, pull=False, progress=False)
+    except Exception as exc:  # not a sudu model, or not downloaded: nothing to recount with
+        return None, f"{NOT_RECOUNTED}: {model!r} is not a model file sudu has ({type(exc).__name__})"
     try:
-        tok = loader(model)
-    except Exception as exc:  # unknown model, file not downloaded, ...
-        return None, f"{NOT_RECOUNTED}: {model!r} not available to sudu.tokenizer ({type(exc).__name__}: {exc})"
+        from sudu import tokenizer as tokenizer_module
+
+        tok = _load(tokenizer_module, str(path))
+    except Exception as exc:  # the tokenizer is optional for the bench: any failure degrades
+        return None, f"{NOT_RECOUNTED}: sudu.tokenizer could not load {path} ({type(exc).__name__}: {exc})"
     encode = tok.encode
 
     def count_tokens(text: str) -> int:
@@ -34,4 +44,4 @@ def load_token_counter(model: str | None) -> tuple[Callable[[str], int] | None, 
         except TypeError:
             return len(encode(text))
 
-    return count_tokens, f"recounted with sudu.tokenizer ({model})"
+    return count_tokens, f"recounted with sudu.tokenizer ({path})"

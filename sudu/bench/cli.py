@@ -1,0 +1,227 @@
+"""`sudu bench {single,throughput,cache,tasks,compare}`: flags, and the run around a suite: target
+resolution (--url, or a local `sudu serve` started and stopped here), server info, token recount hook,
+progress bar, and the report written at the end, or marked partial when Ctrl-C interrupts the run."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+from sudu.errors import SuduError
+
+DEFAULT_OUT = "bench-results"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument("--url", default=None, help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1); "
+                   "default: start a local `sudu serve` on the default model, run, stop it")
+    g.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models); "
+                   "with no --url, the model `sudu serve` loads")
+    g.add_argument("--api-key", default=os.environ.get("SUDU_BENCH_API_KEY"),
+                   help="bearer token (default: $SUDU_BENCH_API_KEY)")
+    g.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for a local sudu serve")
+    g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    r = p.add_argument_group("run")
+    r.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT})")
+    r.add_argument("--warmup", type=int, default=2, help="warm-up requests, excluded from every figure")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM, SGLang, sudu)")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-html", action="store_true", help="skip the HTML report (plots take a few seconds)")
+
+
+def register_cli(subparsers) -> None:
+    bench = subparsers.add_parser(
+        "bench", help="measure any OpenAI-compatible endpoint (sudu's evaluation standard)",
+        description="sudu bench: TTFT, TPOT, ITL, throughput, cache effect and checked tasks, with "
+        "definitions, confidence intervals and reports (JSON, Markdown, HTML). See docs/bench.md.",
+    )
+    suites = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
+
+    p = suites.add_parser("single", help="one short cold chat turn, repeated: TTFT, output speed, whole turn")
+    _common(p)
+    p.add_argument("-n", "--num-requests", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--self-test", action="store_true",
+                   help="first measure the client's own overhead against an instant local fake server")
+    p.set_defaults(func=cmd_suite)
+
+    p = suites.add_parser("throughput", help="sweep concurrency levels and/or request rates")
+    _common(p)
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated closed-loop concurrency levels")
+    p.add_argument("--rate", default="", help="comma-separated open-loop request rates (req/s)")
+    p.add_argument("--arrival", choices=("poisson", "gamma", "constant"), default="poisson")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: < 1 burstier than Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests in rate mode")
+    p.add_argument("-n", "--num-requests", type=int, default=64, help="requests per level")
+    p.add_argument("--input-words", type=int, default=128, help="filler words before the question")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=20s")
+    p.set_defaults(func=cmd_suite)
+
+    p = suites.add_parser("cache", help="TTFT cold vs warm vs shared-prefix at several prompt lengths")
+    _common(p)
+    p.add_argument("--lengths", default="256,1024,4096", help="prompt lengths in words")
+    p.add_argument("-n", "--num-requests", type=int, default=8, help="requests per state and length")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.set_defaults(func=cmd_suite)
+
+    p = suites.add_parser("tasks", help="checked end-to-end tasks, timed to a passing answer")
+    _common(p)
+    p.add_argument("--tasks", default="all", help="comma-separated: retrieval,palindrome,sql,svg,async_refactor")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each task")
+    p.add_argument("--attempts", type=int, default=3, help="calls per task before it counts as failed")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="the model's context in tokens (default: from /v1/models, else 4096)")
+    p.add_argument("--retrieval-fraction", type=float, default=0.5, help="retrieval document length / context")
+    p.set_defaults(func=cmd_suite, warmup=1)
+
+    p = suites.add_parser("compare", help="A/B ratios with bootstrap CIs between two JSON reports")
+    p.add_argument("a", metavar="A.json")
+    p.add_argument("b", metavar="B.json")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    from sudu.bench.compare import run_compare
+
+    return run_compare(args.a, args.b, args.seed)
+
+
+def validate(args) -> dict:
+    """Check flags before anything is started; returns the parsed SLOs."""
+    from sudu.bench.metrics import parse_slo
+    from sudu.bench.tasks import task_names
+    from sudu.bench.workloads import parse_list
+
+    if getattr(args, "num_requests", 1) < 1:
+        raise SuduError("--num-requests must be >= 1")
+    if args.warmup < 0:
+        raise SuduError("--warmup must be >= 0")
+    if args.suite == "throughput":
+        args.concurrency_levels = parse_list(args.concurrency, int, "--concurrency")
+        args.rates = parse_list(args.rate, float, "--rate")
+        if not args.concurrency_levels and not args.rates:
+            raise SuduError("give --concurrency and/or --rate")
+        if any(c < 1 for c in args.concurrency_levels):
+            raise SuduError("--concurrency levels must be >= 1")
+    if args.suite == "cache":
+        args.length_list = parse_list(args.lengths, int, "--lengths")
+        if not args.length_list:
+            raise SuduError("give --lengths")
+    if args.suite == "tasks":
+        names = list(task_names()) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+        unknown = [n for n in names if n not in task_names()]
+        if unknown or not names:
+            raise SuduError(f"unknown task(s) {', '.join(unknown) or '(none)'}; tasks: {', '.join(task_names())}")
+        args.task_list = names
+        if args.attempts < 1 or args.repeat < 1:
+            raise SuduError("--attempts and --repeat must be >= 1")
+    return parse_slo(getattr(args, "slo", None))
+
+
+def cmd_suite(args) -> int:
+    from sudu.bench.local_server import run_with_local_server
+
+    slo = validate(args)
+    overhead = None
+    if getattr(args, "self_test", False):
+        from sudu.bench.overhead import run_overhead
+
+        print("client self-test against an instant fake server ...", file=sys.stderr)
+        overhead = run_overhead()
+    return run_with_local_server(args, lambda a: execute(a, slo, overhead))
+
+
+def _config(args) -> dict:
+    skip = {"func", "api_key"}
+    return {k: v for k, v in vars(args).items() if k not in skip and isinstance(v, (str, int, float, bool, list, dict, type(None)))}
+
+
+def execute(args, slo: dict, overhead: dict | None = None) -> int:
+    from sudu.bench.report import build_report, markdown_summary, write_report
+    from sudu.bench.suites import Run
+
+    run = Run(suite=args.suite, target={"url": args.url, "model": args.model,
+                                        "local_server": getattr(args, "local_server", None)},
+              config=_config(args), overhead=overhead)
+    interrupted = False
+    try:
+        asyncio.run(run_suite(args, run))
+    except KeyboardInterrupt:
+        interrupted = True
+        run.partial = True
+        run.notes.append("interrupted by the user (Ctrl-C): partial report")
+    run.finished_at = time.time()
+    report = build_report(run, slo)
+    paths = write_report(report, args.out, with_html=not args.no_html)
+    print(markdown_summary(report))
+    print("reports: " + "  ".join(paths.values()), file=sys.stderr)
+    if interrupted:
+        raise KeyboardInterrupt
+    return 0
+
+
+def _progress(disabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    disable=disabled, transient=False)
+
+
+def planned_requests(args) -> int:
+    if args.suite == "single":
+        return args.warmup + args.num_requests
+    if args.suite == "throughput":
+        return args.warmup + args.num_requests * (len(args.concurrency_levels) + len(args.rates))
+    if args.suite == "cache":
+        return 4 * args.num_requests * len(args.length_list) + len(args.length_list)
+    return args.warmup + len(args.task_list) * args.repeat
+
+
+async def run_suite(args, run) -> None:
+    from sudu.bench import suites
+    from sudu.bench.client import ClientPool, api_base, auth_headers, fetch_server_info, make_client
+    from sudu.bench.tokens import load_token_counter
+
+    base = api_base(args.url)
+    headers = auth_headers(args.api_key)
+    async with make_client(1, 30.0) as c:
+        run.server_info = await fetch_server_info(c, base, headers)
+    model = args.model
+    if not model:
+        data = (run.server_info.get("models") or {}).get("data") or []
+        if not data:
+            raise SuduError(f"no --model given and GET {base}/models listed none ({run.server_info})")
+        model = data[0].get("id")
+    run.target.update(url=base, model=model)
+    count_tokens, run.token_recount = load_token_counter(model)
+    extra = {"ignore_eos": True} if args.ignore_eos else {}
+    with _progress(args.no_progress or not sys.stderr.isatty()) as progress:
+        bar = progress.add_task(f"{args.suite} @ {model}", total=planned_requests(args))
+        on_done = (lambda rec: progress.advance(bar)) if args.suite != "tasks" else None
+        async with ClientPool(args.timeout) as pool:
+            ctx = suites.Ctx(pool=pool, base=base, headers=headers, model=model, run=run,
+                             count_tokens=count_tokens, extra_body=extra, on_done=on_done)
+            if args.suite == "single":
+                await suites.run_single(ctx, args.num_requests, args.warmup, args.max_tokens)
+            elif args.suite == "throughput":
+                levels = suites.throughput_levels(args.concurrency_levels, args.rates, args.max_concurrency)
+                await suites.run_throughput(ctx, levels, args.num_requests, args.warmup, args.input_words,
+                                            args.output_len, args.arrival, args.burstiness, args.seed)
+            elif args.suite == "cache":
+                await suites.run_cache(ctx, args.length_list, args.num_requests, args.max_tokens, args.seed)
+            else:
+                context_len = args.context_len or suites.context_len_from_server(run.server_info)
+                if context_len is None:
+                    context_len = suites.DEFAULT_CONTEXT_LEN
+                    run.notes.append(f"model context unknown: retrieval sized for {context_len} tokens (--context-len)")
+                run.config["context_len_used"] = context_len
+                ctx.on_done = lambda rec: progress.advance(bar) if rec.warmup else None
+                await suites.run_tasks(ctx, args.task_list, args.repeat, args.attempts, context_len,
+                                       args.retrieval_fraction, args.warmup, args.seed,
+                                       on_task_done=lambda res: progress.advance(bar))
