@@ -1,0 +1,296 @@
+"""GGUF files: metadata -> ModelConfig, tensor names -> Hugging Face names, and dequantization.
+
+Reading goes through the `gguf` package's memory-mapped `GGUFReader`; nothing is copied until a tensor
+is dequantized. Every tensor is kept as a `QuantizedTensor` (its original blocks, a view into the
+file) so later CPU work can repack the quantized weights without reading the file again.
+
+Dequantized tensors follow Hugging Face conventions, because the model code is written against them:
+llama.cpp's Q/K row permutation (llama arch only) is undone, and Gemma's RMSNorm weights, which
+llama.cpp stores as (1 + w), are stored back as w.
+
+Dequantization: the formats that dominate load time (Q8_0, Q5_0, Q4_0, Q8_K, the float types) are
+decoded here in torch, which is several times faster than numpy on the large embedding matrices;
+the k-quants (Q2_K..Q6_K) use `gguf.quants`, checked against an independent reference in tests.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sudu.errors import SuduError
+from sudu.models.config import ModelConfig
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# What sudu dequantizes; the first group is what the catalog models contain.
+SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q5_0", "Q4_K", "Q6_K", "BF16", "Q4_0", "Q5_K", "Q8_K", "Q2_K", "Q3_K",
+                   "Q4_1", "Q5_1")
+_SLIDING_PATTERN_GEMMA3 = 6  # gemma3: every 6th layer attends globally
+
+
+@dataclass
+class QuantizedTensor:
+    """One GGUF tensor as stored: its blocks are a read-only view into the memory-mapped file."""
+
+    name: str  # Hugging Face name
+    gguf_name: str
+    ggml_type: str  # "Q4_K", "F32", ...
+    shape: tuple[int, ...]  # logical shape in Hugging Face order: (out_features, in_features)
+    blocks: np.ndarray  # uint8, (rows, bytes per row); rows run over shape[:-1]
+    # llama arch q/k only: HF row r lives in blocks row row_permutation[r] (llama.cpp reorders rows).
+    row_permutation: np.ndarray | None = None
+    # gemma norms: HF weight = stored + norm_offset (llama.cpp stores 1 + w).
+    norm_offset: float = 0.0
+
+    @property
+    def is_float(self) -> bool:
+        return self.ggml_type in FLOAT_TYPES
+
+
+def open_gguf(path: str | Path):
+    """A memory-mapped GGUFReader, or one clear SuduError for a missing, truncated or corrupt file."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise SuduError(f"no such GGUF file: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, struct/IndexError on truncation
+        raise SuduError(f"{path} is not a readable GGUF file (truncated or corrupt): {exc}") from None
+
+
+def metadata(reader) -> dict[str, Any]:
+    """Scalar and string metadata plus short arrays; the big tokenizer arrays stay in the reader."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and len(field.data) > 64:
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # an exotic type sudu never reads
+            continue
+    return out
+
+
+def _nice_float(x: float) -> float:
+    # GGUF stores float32; 9.999999974752427e-07 means the 1e-06 written in config.json.
+    return float(f"{x:.7g}")
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    meta = metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in ("qwen2", "llama", "gemma3"):
+        raise SuduError(f"unsupported GGUF architecture {arch!r}; sudu runs qwen2, llama, gemma3")
+
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise SuduError("GGUF file has no token_embd.weight tensor")
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    num_layers = int(get("block_count"))
+    kwargs: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=int(embed.shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=_nice_float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 32768)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=[] if meta.get("tokenizer.ggml.eos_token_id") is None else [meta["tokenizer.ggml.eos_token_id"]],
+    )
+    if get("rope.scaling.type") == "linear":
+        kwargs["rope_scaling_factor"] = float(get("rope.scaling.factor"))
+    if arch == "qwen2":
+        kwargs["attention_bias"] = True
+    if arch == "gemma3":
+        kwargs["hidden_act"] = "gelu_pytorch_tanh"
+        # llama.cpp does not store these for gemma3; its runtime hard-codes the same values transformers'
+        # Gemma3TextConfig defaults to (local RoPE base 10000, scale by key_length).
+        kwargs["rope_local_base_freq"] = float(get("rope.local.freq_base", 10000.0))
+        kwargs["query_pre_attn_scalar"] = float(get("attention.query_pre_attn_scalar", kwargs["head_dim"]))
+        kwargs["sliding_window"] = int(get("attention.sliding_window", 512))
+        kwargs["layer_types"] = [
+            "full_attention" if (i + 1) % _SLIDING_PATTERN_GEMMA3 == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    return ModelConfig(**kwargs)
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# The norm after attention and before the MLP is `ffn_norm` in llama/qwen2 files; gemma3 has four norms.
+_LAYER_NAMES_BY_ARCH = {
+    "qwen2": {"ffn_norm": "post_attention_layernorm"},
+    "llama": {"ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for tensors sudu does not use (e.g. rope_freqs)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None:
+        return None
+    layer, part, kind = m.groups()
+    mapped = _LAYER_NAMES_BY_ARCH[arch].get(part) or _LAYER_NAMES.get(part)
+    if mapped is None:
+        return None
+    return f"model.layers.{layer}.{mapped}.{kind}"
+
+
+def _llama_row_permutation(rows: int, n_head: int) -> np.ndarray:
+    # llama.cpp's converter reorders each head's rows from [first half | second half] (HF rotate_half)
+    # to interleaved pairs; HF row r is therefore stored at row perm[r].
+    stored = np.arange(rows).reshape(n_head, 2, rows // n_head // 2).swapaxes(1, 2).reshape(rows)
+    perm = np.empty(rows, dtype=np.int64)
+    perm[stored] = np.arange(rows)
+    return perm
+
+
+def _is_gemma_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def quantized_tensors(reader, config: ModelConfig) -> dict[str, QuantizedTensor]:
+    """Every tensor sudu uses, by Hugging Face name, in file order (no data is read)."""
+    arch = config.architecture
+    out: dict[str, QuantizedTensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        if name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        data = t.data
+        row_bytes = int(t.n_bytes) // max(1, int(np.prod(shape[:-1])))
+        blocks = data.reshape(-1).view(np.uint8).reshape(-1, row_bytes) if data.size else data.view(np.uint8)
+        qt = QuantizedTensor(name, t.name, t.tensor_type.name, shape, blocks)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            qt.row_permutation = _llama_row_permutation(shape[0], n_head)
+        if arch == "gemma3" and _is_gemma_norm(name):
+            qt.norm_offset = -1.0
+        out[name] = qt
+    return out
+
+
+def _u8_tensor(blocks: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # The memory map is read-only and torch warns about that; we only ever read from it.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(blocks.reshape(-1))
+
+
+def _f16_at(b: torch.Tensor, start: int) -> torch.Tensor:
+    return b[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _deq_q8_0(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 34)  # f16 d, int8 q[32]
+    return _f16_at(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _deq_q4_0(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 18)  # f16 d, 16 bytes of nibbles: low nibbles are elements 0..15, high 16..31
+    qs = b[:, 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    return (q.float() - 8) * _f16_at(b, 0)
+
+
+def _deq_q4_1(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 20)  # f16 d, f16 m, nibbles
+    qs = b[:, 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    return _f16_at(b, 0) * q.float() + _f16_at(b, 2)
+
+
+def _high_bits(qh_bytes: torch.Tensor) -> torch.Tensor:
+    # Bit j of the little-endian u32 is the 5th bit of element j; numpy's unpackbits is the fast path.
+    bits = np.unpackbits(qh_bytes.contiguous().numpy(), axis=1, bitorder="little")
+    return torch.from_numpy(bits) << 4
+
+
+def _deq_q5_0(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 22)  # f16 d, u32 high bits, nibbles
+    qs = b[:, 6:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1) | _high_bits(b[:, 2:6])
+    return (q.float() - 16) * _f16_at(b, 0)
+
+
+def _deq_q5_1(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 24)  # f16 d, f16 m, u32 high bits, nibbles
+    qs = b[:, 8:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1) | _high_bits(b[:, 4:8])
+    return _f16_at(b, 0) * q.float() + _f16_at(b, 2)
+
+
+def _deq_q8_k(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 292)  # f32 d, int8 q[256], int16 bsums[16] (bsums only serve dot products)
+    d = b[:, :4].contiguous().view(torch.float32)
+    return d * b[:, 4:260].contiguous().view(torch.int8).float()
+
+
+_TORCH_DEQUANT = {"Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1,
+                  "Q8_K": _deq_q8_k}
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def dequantize_blocks(blocks: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw GGUF bytes of one tensor -> float32 tensor of `shape` (row-major, last dim contiguous)."""
+    if ggml_type in _FLOAT_DTYPES:
+        return _u8_tensor(blocks).view(_FLOAT_DTYPES[ggml_type]).to(torch.float32).reshape(shape)
+    if ggml_type in _TORCH_DEQUANT:
+        return _TORCH_DEQUANT[ggml_type](_u8_tensor(blocks)).reshape(shape)
+    if ggml_type not in SUPPORTED_TYPES:
+        raise SuduError(f"GGUF tensor type {ggml_type} is not supported; sudu reads {', '.join(SUPPORTED_TYPES)}")
+    import gguf.quants
+
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    values = gguf.quants.dequantize(np.ascontiguousarray(blocks).reshape(-1, blocks.shape[-1]), qtype)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+def dequantize(qt: QuantizedTensor) -> torch.Tensor:
+    """A GGUF tensor as the float32 tensor Hugging Face's checkpoint holds under `qt.name`."""
+    blocks = qt.blocks
+    if qt.row_permutation is not None:
+        blocks = blocks[qt.row_permutation]
+    out = dequantize_blocks(blocks, qt.ggml_type, qt.shape)
+    if qt.norm_offset:
+        out = out + qt.norm_offset
+    return out
