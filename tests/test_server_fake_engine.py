@@ -121,7 +121,10 @@ class FakeEngine:
     def is_full(self) -> bool:
         return self.full or len(self.blocks) >= self.max_queue_len
 
-    def check_request(self, num_prompt_tokens: int, params) -> None:
+    def check_request(self, prompt_token_ids: list[int], params) -> None:
+        if max(prompt_token_ids) >= self.tokenizer.vocab_size:
+            raise ValueError(f"token id {max(prompt_token_ids)} is outside the vocabulary")
+        num_prompt_tokens = len(prompt_token_ids)
         if self.fail_check_for is not None and num_prompt_tokens == len(self.fail_check_for):
             raise RuntimeError("injected failure")
         if num_prompt_tokens >= self.max_model_len or num_prompt_tokens + (params.max_tokens or 0) > self.max_model_len:

@@ -345,31 +345,16 @@ def _render_chat(tokenizer, messages: list[P.ChatMessage]) -> list[int]:
     return ids
 
 
-def _vocab_size(engine) -> int | None:
-    for owner, attr in ((engine, "vocab_size"), (engine.tokenizer, "vocab_size")):
-        value = getattr(owner, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _tokenize_prompts(engine, prompt: P.PromptInput) -> list[list[int]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     prompts: list[list[int]] = []
-    vocab = _vocab_size(engine)
     for p in prompt:
-        if isinstance(p, str):
-            ids = engine.tokenizer.encode(p, add_special_tokens=True)
-            if not ids:
-                raise APIError(400, "The prompt encodes to no tokens", param="prompt", code="invalid_value")
-        else:
-            ids = list(p)
-            if vocab is not None and max(ids) >= vocab:
-                raise APIError(400, f"Token id {max(ids)} is outside the vocabulary (size {vocab})",
-                               param="prompt", code="invalid_value")
+        ids = engine.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, "The prompt encodes to no tokens", param="prompt", code="invalid_value")
         prompts.append(ids)
     return prompts
 
@@ -384,14 +369,15 @@ class _Job:
 
 def _make_jobs(engine, id_prefix: str, prompts: list[list[int]], body: P._SamplingFields, max_tokens: int | None,
                logprobs: int | None, prompt_param: str) -> list[_Job]:
-    """One engine request per prompt, each checked against the context before anything is queued.
-    max_tokens None lets the engine give each prompt the rest of its context."""
+    """One engine request per prompt, each checked (length against the context, token ids against the
+    vocabulary) before anything is queued. max_tokens None: the engine gives each prompt the rest of
+    its context."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     params = _sampling_params(body, max_tokens, logprobs)
     jobs = []
     for i, ids in enumerate(prompts):
         try:
-            engine.check_request(len(ids), params)
+            engine.check_request(ids, params)
         except RequestTooLongError as exc:
             raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
         except (SuduError, ValueError) as exc:
