@@ -14,6 +14,7 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 class EngineConfig:
     model: str = DEFAULT_MODEL  # catalog name, .gguf path or Hugging Face-style directory
     dtype: str = "float32"  # compute dtype of activations and unquantized weights
+    quantization: str = "none"  # weight format of the linear layers: none | int8 | int4 (layers/linear.py)
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a quarter of available RAM, at most 4 GiB
     max_model_len: int | None = None  # None -> the model's context length, at most 32768

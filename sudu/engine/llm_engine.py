@@ -54,6 +54,10 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.model_path = ckpt.path
         model = load_network(ckpt.config, ckpt.tensors(DTYPES[config.dtype]), DTYPES[config.dtype])
+        if config.quantization != "none":
+            from sudu.layers.linear import quantize_model
+
+            quantize_model(model, ckpt, config.quantization)
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len)
