@@ -169,8 +169,11 @@ def _bos_post_processor(bos: str, bos_id: int) -> processors.TemplateProcessing:
                                          special_tokens=[(bos, bos_id)])
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
+def _field(source, key: str, default=None):
+    # `source` is sudu's parsed GGUFFile, or a gguf.GGUFReader when a caller already has one.
+    if hasattr(source, "metadata"):
+        return source.metadata.get(key, default)
+    field = source.fields.get(key)
     return default if field is None else field.contents()
 
 

@@ -1,7 +1,10 @@
 """GGUF files: metadata -> ModelConfig, tensor names -> Hugging Face names, and dequantization.
 
-Reading goes through the `gguf` package's memory-mapped `GGUFReader`; nothing is copied until a tensor
-is dequantized. Every tensor is kept as a `QuantizedTensor` (its original blocks, a view into the
+Reading: a small parser here reads the header, metadata and tensor table with `struct` and maps the
+tensor data with numpy (nothing is copied until a tensor is dequantized). `gguf.GGUFReader` does the
+same but builds a numpy view per array element, which takes 5-15 s on a 262k-token vocabulary -- at
+every start; this parser takes a fraction of a second. The `gguf` package still provides the type
+tables and the k-quant dequantizers, and tests check this parser against `GGUFReader`. Every tensor is kept as a `QuantizedTensor` (its original blocks, a view into the
 file) so later CPU work can repack the quantized weights without reading the file again.
 
 Dequantized tensors follow Hugging Face conventions, because the model code is written against them:
@@ -15,6 +18,7 @@ the k-quants (Q2_K..Q6_K) use `gguf.quants`, checked against an independent refe
 from __future__ import annotations
 
 import re
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,30 +56,120 @@ class QuantizedTensor:
         return self.ggml_type in FLOAT_TYPES
 
 
-def open_gguf(path: str | Path):
-    """A memory-mapped GGUFReader, or one clear SuduError for a missing, truncated or corrupt file."""
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                   12: "<d"}
+_NUMPY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+                 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]  # Hugging Face order (GGUF lists dims fastest-first; this is reversed)
+    data: np.ndarray  # uint8 view of the tensor's bytes in the memory map
+
+
+@dataclass
+class GGUFFile:
+    """A parsed GGUF file: all metadata as Python values (arrays as lists), tensors as memory-mapped bytes."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensorInfo]
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+
+class _Cursor:
+    def __init__(self, buf, offset: int = 0):
+        self.buf, self.offset = buf, offset
+
+    def scalar(self, kind: int):
+        fmt = _SCALAR_FORMATS[kind]
+        (value,) = struct.unpack_from(fmt, self.buf, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        (length,) = struct.unpack_from("<Q", self.buf, self.offset)
+        start = self.offset + 8
+        self.offset = start + length
+        if self.offset > len(self.buf):
+            raise ValueError("string runs past the end of the file")
+        return bytes(self.buf[start:self.offset]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind = self.scalar(4)
+            count = self.scalar(10)
+            if item_kind == _STRING:
+                return [self.string() for _ in range(count)]
+            if item_kind == _ARRAY:
+                return [self.value(_ARRAY) for _ in range(count)]
+            dtype = np.dtype(_NUMPY_DTYPES[item_kind])
+            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.offset)
+            self.offset += count * dtype.itemsize
+            return values.tolist()
+        if kind not in _SCALAR_FORMATS:
+            raise ValueError(f"unknown metadata value type {kind}")
+        return self.scalar(kind)
+
+
+def _parse(path: Path) -> GGUFFile:
     import gguf
 
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)
+    cur = _Cursor(buf)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"starts with {bytes(buf[:4])!r}, not b'GGUF'")
+    cur.offset = 4
+    version = cur.scalar(4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (sudu reads versions 2 and 3, little-endian)")
+    n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        meta[key] = cur.value(cur.scalar(4))
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.scalar(10) for _ in range(cur.scalar(4))]
+        infos.append((name, cur.scalar(4), dims, cur.scalar(10)))
+    alignment = int(meta.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = -(-cur.offset // alignment) * alignment
+    tensors = []
+    for name, type_id, dims, offset in infos:
+        qtype = gguf.GGMLQuantizationType(type_id)
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        n_elements = int(np.prod(dims)) if dims else 1
+        n_bytes = n_elements // block_size * type_size
+        start = data_start + offset
+        if start + n_bytes > len(raw):
+            raise ValueError(f"tensor {name} ends at byte {start + n_bytes}, past the end of the file ({len(raw)})")
+        shape = tuple(int(d) for d in reversed(dims))
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        data = raw[start:start + n_bytes].reshape(rows, n_bytes // rows) if n_bytes else raw[start:start]
+        tensors.append(GGUFTensorInfo(name, qtype.name, shape, np.asarray(data)))
+    return GGUFFile(path, meta, tensors)
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The parsed file, or one clear SuduError for a missing, truncated or corrupt file."""
     path = Path(path)
     if not path.is_file():
         raise SuduError(f"no such GGUF file: {path}")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct/IndexError on truncation
+        return _parse(path)
+    except (ValueError, struct.error, IndexError, KeyError, UnicodeDecodeError) as exc:
         raise SuduError(f"{path} is not a readable GGUF file (truncated or corrupt): {exc}") from None
-
-
-def metadata(reader) -> dict[str, Any]:
-    """Scalar and string metadata plus short arrays; the big tokenizer arrays stay in the reader."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and len(field.data) > 64:
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # an exotic type sudu never reads
-            continue
-    return out
 
 
 def _nice_float(x: float) -> float:
@@ -83,8 +177,8 @@ def _nice_float(x: float) -> float:
     return float(f"{x:.7g}")
 
 
-def config_from_gguf(reader) -> ModelConfig:
-    meta = metadata(reader)
+def config_from_gguf(gf: GGUFFile) -> ModelConfig:
+    meta = gf.metadata
     arch = meta.get("general.architecture")
     if arch not in ("qwen2", "llama", "gemma3"):
         raise SuduError(f"unsupported GGUF architecture {arch!r}; sudu runs qwen2, llama, gemma3")
@@ -92,8 +186,8 @@ def config_from_gguf(reader) -> ModelConfig:
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
 
-    names = {t.name for t in reader.tensors}
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    names = {t.name for t in gf.tensors}
+    embed = next((t for t in gf.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise SuduError("GGUF file has no token_embd.weight tensor")
     hidden = int(get("embedding_length"))
@@ -101,7 +195,7 @@ def config_from_gguf(reader) -> ModelConfig:
     num_layers = int(get("block_count"))
     kwargs: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=int(embed.shape[1]),
+        vocab_size=int(embed.shape[0]),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=num_layers,
@@ -187,19 +281,15 @@ def _is_gemma_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
-def quantized_tensors(reader, config: ModelConfig) -> dict[str, QuantizedTensor]:
+def quantized_tensors(gf: GGUFFile, config: ModelConfig) -> dict[str, QuantizedTensor]:
     """Every tensor sudu uses, by Hugging Face name, in file order (no data is read)."""
     arch = config.architecture
     out: dict[str, QuantizedTensor] = {}
-    for t in reader.tensors:
+    for t in gf.tensors:
         name = hf_name(t.name, arch)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        data = t.data
-        row_bytes = int(t.n_bytes) // max(1, int(np.prod(shape[:-1])))
-        blocks = data.reshape(-1).view(np.uint8).reshape(-1, row_bytes) if data.size else data.view(np.uint8)
-        qt = QuantizedTensor(name, t.name, t.tensor_type.name, shape, blocks)
+        qt = QuantizedTensor(name, t.name, t.ggml_type, t.shape, t.data)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             qt.row_permutation = _llama_row_permutation(shape[0], n_head)

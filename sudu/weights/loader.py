@@ -1,0 +1,76 @@
+"""load_checkpoint: one call from a user's model argument (catalog name, .gguf file, Hugging Face-style
+directory) to a `Checkpoint` holding the network's config, its tokenizer, and lazy access to weights
+under Hugging Face names. The model code only ever sees this; where bytes come from stays here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from sudu.models.config import ModelConfig
+from sudu.tokenizer import Tokenizer
+from sudu.weights import gguf as gguf_weights
+from sudu.weights import safetensors as st_weights
+from sudu.weights.catalog import resolve_model_path
+from sudu.weights.gguf import QuantizedTensor
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    format: str = "gguf"  # "gguf" or "safetensors"
+    progress: bool = False
+    _reader: Any = field(default=None, repr=False)  # the memory-mapped GGUFReader; keeps blocks valid
+    _quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
+
+    def tensor_names(self) -> list[str]:
+        if self.format == "gguf":
+            return list(self._quantized)
+        return st_weights.tensor_names(self.path)
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor) one at a time, dequantized as they are reached, so peak memory is
+        the model in `dtype` plus one float32 tensor."""
+        if self.format != "gguf":
+            yield from st_weights.iter_tensors(self.path, dtype)
+            return
+        total = sum(int(qt.blocks.nbytes) for qt in self._quantized.values())
+        with gguf_weights_progress(self.progress, f"loading {self.path.name}", total) as advance:
+            for name, qt in self._quantized.items():
+                yield name, gguf_weights.dequantize(qt).to(dtype)
+                advance(int(qt.blocks.nbytes))
+
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        return dict(self.tensors(dtype))
+
+    def quantized(self, name: str) -> QuantizedTensor | None:
+        """The original GGUF blocks behind a Hugging Face name; None for float tensors and safetensors."""
+        qt = self._quantized.get(name)
+        return None if qt is None or qt.is_float else qt
+
+
+def gguf_weights_progress(enabled: bool, label: str, total_bytes: int):
+    from sudu.weights.catalog import _byte_progress
+
+    return _byte_progress(enabled, label, total_bytes)
+
+
+def load_checkpoint(name_or_path: str, pull: bool = True, progress: bool = True) -> Checkpoint:
+    path = resolve_model_path(name_or_path, pull=pull, progress=progress)
+    if path.is_dir():
+        config = st_weights.read_config(path)
+        tokenizer = Tokenizer.from_dir(path)
+        checkpoint = Checkpoint(path, config, tokenizer, format="safetensors", progress=progress)
+    else:
+        reader = gguf_weights.open_gguf(path)
+        config = gguf_weights.config_from_gguf(reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+        checkpoint = Checkpoint(path, config, tokenizer, format="gguf", progress=progress, _reader=reader,
+                                _quantized=gguf_weights.quantized_tensors(reader, config))
+    # One stop list for everyone: the tokenizer knows the turn terminators config.json / GGUF leave out.
+    config.eos_token_id = list(dict.fromkeys(list(config.eos_token_id) + tokenizer.eos_token_ids))
+    return checkpoint
