@@ -26,7 +26,7 @@ MAX_MODEL_LEN = 256
 def live(tiny_model_dirs):
     from sudu.engine.async_engine import AsyncLLMEngine
 
-    config = EngineConfig(model=str(tiny_model_dirs["qwen2"]), max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+    config = EngineConfig(model=str(tiny_model_dirs["llama"]), max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
                           kv_cache_memory=8 << 20)
     engine = AsyncLLMEngine(config, max_queue_len=256)
     with LiveServer(build_app(engine, served_model_name=MODEL)) as server:
@@ -186,12 +186,22 @@ def test_disconnect_mid_stream_frees_kv_blocks(live):
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
-def test_disconnect_non_stream_frees_kv_blocks(live):
-    body = {"model": MODEL, "messages": messages("keep going"), "max_tokens": 220, "ignore_eos": True}
+def test_disconnect_non_stream_aborts_and_frees_kv_blocks(live, monkeypatch):
+    aborted = []
+    real_abort = live.engine.abort
+
+    async def spy(request_id):
+        aborted.append(request_id)
+        await real_abort(request_id)
+
+    monkeypatch.setattr(live.engine, "abort", spy)
+    # 16 choices x 200 tokens: far longer than the client waits
+    body = {"model": MODEL, "messages": messages("keep going"), "max_tokens": 200, "n": 16, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.3)
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.05)
     stats = wait_all_blocks_free(live.engine)
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert aborted and aborted[0].startswith("chatcmpl-")
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ engine request so its KV blocks return to the pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -778,6 +779,13 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info"):
                 s.close()
             await drain(app)
             await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                # the drain is the answer to SIGINT/SIGTERM: exit normally instead of re-raising it
+                getattr(self, "_captured_signals", []).clear()
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
                             timeout_graceful_shutdown=max(1.0, app.state.sudu.shutdown_timeout_s) + 5.0)
