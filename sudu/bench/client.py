@@ -263,7 +263,8 @@ async def stream_chat(
             record.done_s = perf() - t0
     except httpx.HTTPError as exc:
         record.done_s = perf() - t0
-        record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        err = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        record.error = err if record.error is None else f"{record.error}; then {err}"
     record.text = "".join(text_parts)
     if len(sources) == 1:
         record.token_source = sources.pop()

@@ -105,6 +105,7 @@ class FakeServer:
         self.host = host
         self.port = port
         self.requests: list[dict] = []  # every chat body received
+        self.read_at: list[float] = []  # per request: perf_counter() when it had been read (the offsets' zero)
         self.sent_at_s: list[list[float]] = []  # per request: actual send offsets of each event
         self._active = 0  # streams being sent right now
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,6 +135,7 @@ class FakeServer:
                     continue
                 body = json.loads(raw or b"{}")
                 self.requests.append(body)
+                self.read_at.append(t0)
                 script = self.script_fn(body)
                 self._active += 1
                 try:
