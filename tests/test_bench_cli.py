@@ -1,0 +1,243 @@
+"""sudu bench end to end against the fake server: every suite writes JSON/Markdown/HTML reports with
+the definitions; tasks pass only with checked answers (every call counted); cache contradictions and
+token-count gaps are flagged; Ctrl-C leaves a partial report; compare gives ratios with CIs and refuses
+mismatched cache states; the embedded-default path starts, waits for and stops a server."""
+import argparse
+import glob
+import json
+import re
+import sys
+
+import pytest
+
+from sudu.bench import cli as bench_cli
+from sudu.bench import compare, local_server, suites, tokens
+from sudu.bench.fake_server import FakeServer, chat_script
+from sudu.errors import SuduError
+from tests.test_bench_tasks import GOOD_ASYNC, GOOD_PALINDROME, GOOD_SQL, GOOD_SVG
+
+
+def run_cli(argv):
+    parser = argparse.ArgumentParser(prog="sudu")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench_cli.register_cli(sub)
+    args = parser.parse_args(["bench"] + argv)
+    return args.func(args)
+
+
+def _answer(body) -> str:
+    msgs = body["messages"]
+    prompt = msgs[0]["content"]
+    retry = len(msgs) > 1
+    if "north vault" in prompt:
+        return re.search(r"north vault is (\d+)", prompt).group(1)
+    if "longest_palindrome" in prompt:
+        return GOOD_PALINDROME
+    if "SQLite" in prompt:
+        return GOOD_SQL
+    if "SVG" in prompt:  # wrong first (no text element), right after the checker's feedback
+        return GOOD_SVG if retry else GOOD_SVG.replace(">sudu<", "><")
+    if "asyncio" in prompt:
+        return "I would rather not."  # never passes
+    return "The sky is blue because of Rayleigh scattering of sunlight by air molecules."
+
+
+_SEEN_PREFIXES = set()  # a toy prefix cache: the first message counts as cached once seen
+
+
+def script(body):
+    text = _answer(body)
+    words = re.findall(r"\S+\s*", text)
+    pieces = [(0.002 + 0.0005 * i, w) for i, w in enumerate(words)]
+    first = body["messages"][0]["content"]
+    warm = first in _SEEN_PREFIXES
+    _SEEN_PREFIXES.add(first)
+    usage = {"prompt_tokens": 40, "completion_tokens": len(words), "total_tokens": 40 + len(words),
+             "prompt_tokens_details": {"cached_tokens": 32 if warm else 0}}
+    return chat_script(pieces, usage=usage, model=body["model"],
+                       sudu={"queue_s": 0.0, "prefill_s": 0.001, "decode_s": 0.0005 * len(words), "cached_tokens": 0})
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeServer(script) as srv:
+        yield srv
+
+
+def _report(out_dir, suite="*"):
+    paths = sorted(glob.glob(str(out_dir / f"{suite}-*.json")))
+    assert paths, "no JSON report written"
+    with open(paths[-1]) as f:
+        return paths[-1], json.load(f)
+
+
+def test_single_writes_reports(server, tmp_path, capsys):
+    assert run_cli(["single", "--url", server.url, "-n", "12", "--out", str(tmp_path), "--warmup", "1"]) == 0
+    path, rep = _report(tmp_path, "single")
+    assert rep["schema"] == "sudu-bench/1" and not rep["partial"]
+    assert set(rep["definitions"]) >= {"ttft_s", "tpot_s", "itl_s", "e2e_s", "throughput_tok_s", "cache_state"}
+    assert rep["server_info"]["models"]["data"][0]["id"] == "fake" and rep["target"]["model"] == "fake"
+    assert len(rep["records"]) == 13 and sum(r["warmup"] for r in rep["records"]) == 1
+    g = rep["groups"][0]
+    assert g["cache_state"] == "cold" and g["n_requests"] == 12 and g["metrics"]["ttft_s"]["ci_low"] is not None
+    assert "attribution" in g and rep["environment"]["python"]
+    assert rep["token_recount"].startswith("not recounted")
+    html = open(path.replace(".json", ".html")).read()
+    assert html.count("data:image/png;base64,") >= 3
+    out = capsys.readouterr().out
+    assert "| single | cold |" in out and "## Definitions" in out
+
+
+def test_throughput_sweep_and_goodput(server, tmp_path):
+    run_cli(["throughput", "--url", server.url, "--concurrency", "1,4", "--rate", "200", "-n", "12",
+             "--slo", "ttft=1s,tpot=1s", "--out", str(tmp_path), "--no-html"])
+    _, rep = _report(tmp_path, "throughput")
+    names = [g["name"] for g in rep["groups"]]
+    assert names == ["concurrency=1", "concurrency=4", "rate=200"]
+    for g in rep["groups"]:
+        assert g["n_ok"] == 12 and g["throughput"]["mean_tok_s"] > 0
+        assert g["goodput"]["good_requests"] == 12
+    assert rep["groups"][2]["params"]["arrival"] == "poisson"
+
+
+def test_cache_suite_flags_contradictions(server, tmp_path):
+    # the fake server reports 32 cached tokens when it has seen the first message before: the salt keeps
+    # cold prompts at 0, warm and shared-prefix ones hit: no contradiction
+    run_cli(["cache", "--url", server.url, "--lengths", "50", "-n", "2", "--out", str(tmp_path), "--no-html"])
+    _, rep = _report(tmp_path, "cache")
+    assert [g["cache_state"] for g in rep["groups"]] == ["cold", "warm", "shared-prefix"]
+    assert rep["groups"][1]["observed_cache"]["mean_cached_tokens"] == 32
+    assert rep["flags"] == []
+
+
+def test_cache_contradiction_flagged(tmp_path):
+    def liar(body):
+        usage = {"prompt_tokens": 400, "completion_tokens": 1, "total_tokens": 401, "prompt_cache_hit_tokens": 384}
+        return chat_script([(0.001, "x")], usage=usage)
+
+    with FakeServer(liar) as srv:
+        run_cli(["single", "--url", srv.url, "-n", "2", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
+    _, rep = _report(tmp_path, "single")
+    assert len(rep["flags"]) == 2 and "declared cold but 384 cached tokens" in rep["flags"][0]
+
+
+def test_token_gap_flagged(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(tokens, "load_token_counter", lambda model: (lambda text: 2 * len(text.split()), "recounted (test)"))
+    run_cli(["single", "--url", server.url, "-n", "2", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
+    _, rep = _report(tmp_path, "single")
+    assert rep["token_recount"] == "recounted (test)"
+    assert len(rep["flags"]) == 2 and "tokenizer counts" in rep["flags"][0]
+
+
+def test_tasks_are_checked_and_every_call_counted(server, tmp_path):
+    run_cli(["tasks", "--url", server.url, "--out", str(tmp_path), "--context-len", "1024", "--no-html"])
+    _, rep = _report(tmp_path, "tasks")
+    by_task = {t["task"]: t for t in rep["task_runs"]}
+    for name in ("retrieval", "palindrome", "sql"):
+        assert by_task[name]["passed"] and by_task[name]["calls"] == 1 and by_task[name]["task_time_s"] > 0
+    assert by_task["svg"]["passed"] and by_task["svg"]["calls"] == 2
+    assert by_task["async_refactor"]["passed"] is False and by_task["async_refactor"]["task_time_s"] is None
+    assert by_task["async_refactor"]["calls"] == 3
+    svg_records = [r for r in rep["records"] if r["task"] == "svg"]
+    assert [r["cache_state"] for r in svg_records] == ["cold", "shared-prefix"]
+    assert rep["config"]["context_len_used"] == 1024
+
+
+def test_interrupt_writes_partial_report(server, tmp_path, monkeypatch):
+    real_send = suites.send
+    calls = {"n": 0}
+
+    async def flaky_send(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return await real_send(*a, **kw)
+
+    monkeypatch.setattr(suites, "send", flaky_send)
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(["single", "--url", server.url, "-n", "10", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
+    _, rep = _report(tmp_path, "single")
+    assert rep["partial"] is True and len(rep["records"]) == 4
+    assert any("interrupted" in n for n in rep["notes"])
+
+
+def _synthetic(ttft_values, cache_state="cold"):
+    return {
+        "schema": "sudu-bench/1", "suite": "single", "target": {}, "task_runs": [],
+        "groups": [{"name": "single", "cache_state": cache_state, "throughput": {}}],
+        "records": [{"group": "single", "warmup": False, "ok": True, "metrics": {"ttft_s": v}} for v in ttft_values],
+    }
+
+
+def test_compare_ratio_and_significance():
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    a = _synthetic(list(rng.normal(0.200, 0.01, 40)))
+    b = _synthetic(list(rng.normal(0.100, 0.005, 40)))
+    row = next(r for r in compare.compare(a, b) if r["metric"] == "ttft_s")
+    assert row["ratio"] == pytest.approx(0.5, rel=0.05) and row["significant"] and row["verdict"] == "B better"
+    c = _synthetic(list(rng.normal(0.200, 0.01, 40)))
+    row = next(r for r in compare.compare(a, c) if r["metric"] == "ttft_s")
+    assert row["significant"] is False and "not significant" in row["verdict"]
+
+
+def test_compare_refuses_mismatched_cache_states(tmp_path, capsys):
+    with pytest.raises(SuduError, match="cache states"):
+        compare.compare(_synthetic([0.1] * 20, "cold"), _synthetic([0.1] * 20, "warm"))
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(_synthetic([0.2] * 10 + [0.21] * 10)))
+    pb.write_text(json.dumps(_synthetic([0.1] * 10 + [0.11] * 10)))
+    assert run_cli(["compare", str(pa), str(pb)]) == 0
+    assert "B better" in capsys.readouterr().out
+    pb.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(SuduError, match="not a sudu-bench/1 report"):
+        run_cli(["compare", str(pa), str(pb)])
+
+
+def test_compare_two_real_reports(server, tmp_path, capsys):
+    for name in ("a", "b"):
+        run_cli(["single", "--url", server.url, "-n", "10", "--out", str(tmp_path / name), "--no-html"])
+    pa, pb = _report(tmp_path / "a")[0], _report(tmp_path / "b")[0]
+    assert run_cli(["compare", pa, pb]) == 0
+    out = capsys.readouterr().out
+    assert "| single | cold | ttft_s |" in out
+
+
+def test_bad_flags_are_one_line_errors(server, tmp_path):
+    for argv in (["throughput", "--concurrency", "", "--rate", ""], ["tasks", "--tasks", "chess"],
+                 ["throughput", "--slo", "speed=3"], ["single", "-n", "0"]):
+        with pytest.raises(SuduError):
+            run_cli(argv + ["--url", server.url, "--out", str(tmp_path)])
+
+
+def test_embedded_default_starts_waits_and_stops_a_server(tmp_path, monkeypatch):
+    """No --url: a server process is started on a free port, /health is awaited, the suite runs against
+    it and the process is stopped. (The fake server stands in for `sudu serve` here.)"""
+    started = []
+
+    def fake_serve(port, model):
+        started.append(port)
+        return [sys.executable, "-m", "sudu.bench.fake_server", "--port", str(port)]
+
+    monkeypatch.setattr(local_server, "serve_command", fake_serve)
+    procs = []
+    real_popen = local_server.subprocess.Popen
+
+    def popen(*a, **kw):
+        procs.append(real_popen(*a, **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(local_server.subprocess, "Popen", popen)
+    run_cli(["single", "-n", "2", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
+    _, rep = _report(tmp_path, "single")
+    assert rep["target"]["url"] == f"http://127.0.0.1:{started[0]}/v1"
+    assert rep["target"]["local_server"]["ready_after_s"] >= 0
+    assert procs[0].poll() is not None  # stopped
+
+
+def test_embedded_default_reports_a_server_that_dies(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_server, "serve_command",
+                        lambda port, model: [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"])
+    with pytest.raises(SuduError, match="exited with code 3"):
+        run_cli(["single", "-n", "2", "--out", str(tmp_path), "--no-html"])
