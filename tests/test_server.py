@@ -4,10 +4,12 @@ sent alone, prefix-cache reporting, KV blocks freed on disconnect, bad inputs, `
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -293,3 +295,33 @@ def test_sudu_serve_cli_loads_in_background_and_stops_on_sigterm(tiny_model_dirs
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_full_queue_429_then_shutdown_fails_the_stream_with_an_error_event(tiny_model_dirs):
+    from sudu.engine.async_engine import AsyncLLMEngine
+
+    # one running sequence and no queue: a second request while the first streams is refused
+    config = EngineConfig(model=str(tiny_model_dirs["llama"]), max_model_len=4096, max_num_seqs=1,
+                          kv_cache_memory=8 << 20)
+    engine = AsyncLLMEngine(config, max_queue_len=0)
+    live = LiveServer(build_app(engine, served_model_name=MODEL, shutdown_timeout_s=0.0)).__enter__()
+    try:
+        body = {"messages": messages("long"), "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert '"role":"assistant"' in first
+            refused = httpx.post(live.url + "/v1/chat/completions",
+                                 json={"messages": messages("x"), "max_tokens": 2})
+            assert_openai_error(refused, 429)
+            assert int(refused.headers["retry-after"]) >= 1
+            stopper = threading.Thread(target=live.stop)
+            stopper.start()
+            rest = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        stopper.join(60)
+        assert not live.thread.is_alive()
+        assert rest[-1] == "[DONE]"
+        error = json.loads(rest[-2])["error"]
+        assert error["code"] == "request_aborted" and "shutting down" in error["message"]
+    finally:
+        live.stop()

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -122,16 +123,42 @@ def build_app(
 
 async def _load_in_background(state: ServerState) -> None:
     try:
-        engine = await asyncio.to_thread(state.load_engine)
+        engine = await _call_in_daemon_thread(state.load_engine)
         await engine.start()
     except Exception as exc:  # noqa: BLE001 -- reported on /health and to the CLI
-        logger.exception("loading the model failed")
+        if isinstance(exc, SuduError):
+            logger.error("loading the model failed: %s", exc)
+        else:
+            logger.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
         if state.on_load_error is not None:
             state.on_load_error(exc)
         return
     state.engine = engine
     logger.info("model %s loaded; serving as %s", engine.model_name, state.model_id)
+
+
+async def _call_in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """Like asyncio.to_thread, but a daemon thread: a shutdown during a long download need not wait for it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value) -> None:
+        if not future.done():
+            setter(value)
+
+    def work() -> None:
+        try:
+            result, setter = fn(), future.set_result
+        except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting coroutine
+            result, setter = exc, future.set_exception
+        try:
+            loop.call_soon_threadsafe(settle, setter, result)
+        except RuntimeError:  # the event loop is already closed: the server stopped meanwhile
+            pass
+
+    threading.Thread(target=work, name="sudu-load-model", daemon=True).start()
+    return await future
 
 
 async def drain(app: FastAPI) -> None:
