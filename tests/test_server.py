@@ -263,11 +263,9 @@ def test_sudu_serve_cli_loads_in_background_and_stops_on_sigterm(tiny_model_dirs
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = ("import argparse, sys; from sudu.server.cli import register_cli; p = argparse.ArgumentParser(); "
-                "register_cli(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
     env = dict(os.environ, SUDU_API_KEY="k", PYTHONPATH=os.getcwd())
     proc = subprocess.Popen(
-        [sys.executable, "-c", launcher, "serve", str(tiny_model_dirs["qwen2"]), "--port", str(port),
+        [sys.executable, "-m", "sudu.cli", "serve", str(tiny_model_dirs["qwen2"]), "--port", str(port),
          "--max-model-len", "128", "--served-model-name", "cli-model", "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )

@@ -126,10 +126,10 @@ async def _load_in_background(state: ServerState) -> None:
         engine = await _call_in_daemon_thread(state.load_engine)
         await engine.start()
     except Exception as exc:  # noqa: BLE001 -- reported on /health and to the CLI
-        if isinstance(exc, SuduError):
-            logger.error("loading the model failed: %s", exc)
-        else:
+        if not isinstance(exc, SuduError):
             logger.exception("loading the model failed")
+        elif state.on_load_error is None:  # else the caller reports it
+            logger.error("loading the model failed: %s", exc)
         state.load_error = f"{type(exc).__name__}: {exc}"
         if state.on_load_error is not None:
             state.on_load_error(exc)

@@ -35,8 +35,11 @@ def register_cli(subparsers) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
     from sudu.server.app import build_app, make_server
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
     overrides = {"model": args.model_pos} if args.model_pos else {}
     config = engine_config_from_args(args, **overrides)
     if args.max_queue_len < 1:
