@@ -292,7 +292,7 @@ def quantized_tensors(gf: GGUFFile, config: ModelConfig) -> dict[str, QuantizedT
         qt = QuantizedTensor(name, t.name, t.ggml_type, t.shape, t.data)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            qt.row_permutation = _llama_row_permutation(shape[0], n_head)
+            qt.row_permutation = _llama_row_permutation(t.shape[0], n_head)
         if arch == "gemma3" and _is_gemma_norm(name):
             qt.norm_offset = -1.0
         out[name] = qt

@@ -1,0 +1,341 @@
+"""GGUF reading without a real model: dequantization of every supported type against an independent
+per-block reference written from ggml's block layouts, the parser against gguf.GGUFReader, metadata ->
+ModelConfig, GGUF -> Hugging Face names and conventions, and the loader on a tiny synthetic file."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from sudu.errors import SuduError
+from sudu.weights import gguf as G
+from sudu.weights.loader import load_checkpoint
+
+RNG_SEED = 0
+
+
+# ---- independent references: one block at a time, straight from ggml's C layouts ----
+
+def _f16(b: np.ndarray, at: int) -> np.float32:
+    return np.float32(b[at:at + 2].view(np.float16)[0])
+
+
+def ref_q8_0(b):
+    return _f16(b, 0) * b[2:34].view(np.int8).astype(np.float32)
+
+
+def ref_q4_0(b):
+    d, qs = _f16(b, 0), b[2:18].astype(np.int32)
+    return np.concatenate([(qs & 0xF) - 8, (qs >> 4) - 8]).astype(np.float32) * d
+
+
+def ref_q4_1(b):
+    d, m, qs = _f16(b, 0), _f16(b, 2), b[4:20].astype(np.int32)
+    return np.concatenate([qs & 0xF, qs >> 4]).astype(np.float32) * d + m
+
+
+def _q5(qs, qh):
+    y = np.zeros(32, dtype=np.int32)
+    for j in range(16):
+        y[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4)
+        y[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)
+    return y
+
+
+def ref_q5_0(b):
+    qh = int.from_bytes(b[2:6].tobytes(), "little")
+    return (_q5(b[6:22].astype(np.int32), qh) - 16).astype(np.float32) * _f16(b, 0)
+
+
+def ref_q5_1(b):
+    qh = int.from_bytes(b[4:8].tobytes(), "little")
+    return _q5(b[8:24].astype(np.int32), qh).astype(np.float32) * _f16(b, 0) + _f16(b, 2)
+
+
+def _scale_min_k4(j, q):
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def ref_q4_k(b):
+    d, dmin, scales, qs = _f16(b, 0), _f16(b, 2), b[4:16].astype(np.int32), b[16:144].astype(np.int32)
+    y = []
+    for chunk in range(4):
+        q = qs[32 * chunk:32 * chunk + 32]
+        sc1, m1 = _scale_min_k4(2 * chunk, scales)
+        sc2, m2 = _scale_min_k4(2 * chunk + 1, scales)
+        y += [d * sc1 * (q & 0xF) - dmin * m1, d * sc2 * (q >> 4) - dmin * m2]
+    return np.concatenate(y).astype(np.float32)
+
+
+def ref_q5_k(b):
+    d, dmin, scales = _f16(b, 0), _f16(b, 2), b[4:16].astype(np.int32)
+    qh, qs = b[16:48].astype(np.int32), b[48:176].astype(np.int32)
+    y = []
+    for chunk in range(4):
+        q = qs[32 * chunk:32 * chunk + 32]
+        sc1, m1 = _scale_min_k4(2 * chunk, scales)
+        sc2, m2 = _scale_min_k4(2 * chunk + 1, scales)
+        hi1 = ((qh >> (2 * chunk)) & 1) << 4
+        hi2 = ((qh >> (2 * chunk + 1)) & 1) << 4
+        y += [d * sc1 * ((q & 0xF) + hi1) - dmin * m1, d * sc2 * ((q >> 4) + hi2) - dmin * m2]
+    return np.concatenate(y).astype(np.float32)
+
+
+def ref_q6_k(b):
+    ql, qh = b[0:128].astype(np.int32), b[128:192].astype(np.int32)
+    sc, d = b[192:208].view(np.int8).astype(np.float32), _f16(b, 208)
+    y = np.zeros(256, dtype=np.float32)
+    for half in range(2):
+        l_, h_, s_, o = ql[64 * half:], qh[32 * half:], sc[8 * half:], 128 * half
+        for l in range(32):
+            i = l // 16
+            y[o + l] = d * s_[i] * (((l_[l] & 0xF) | (((h_[l] >> 0) & 3) << 4)) - 32)
+            y[o + l + 32] = d * s_[i + 2] * (((l_[l + 32] & 0xF) | (((h_[l] >> 2) & 3) << 4)) - 32)
+            y[o + l + 64] = d * s_[i + 4] * (((l_[l] >> 4) | (((h_[l] >> 4) & 3) << 4)) - 32)
+            y[o + l + 96] = d * s_[i + 6] * (((l_[l + 32] >> 4) | (((h_[l] >> 6) & 3) << 4)) - 32)
+    return y
+
+
+def ref_q8_k(b):
+    return b[0:4].view(np.float32)[0] * b[4:260].view(np.int8).astype(np.float32)
+
+
+# type -> (block bytes, elements, offsets of f16 scale fields, offset of an f32 scale, reference)
+BLOCK_TYPES = {
+    "Q8_0": (34, 32, [0], None, ref_q8_0),
+    "Q4_0": (18, 32, [0], None, ref_q4_0),
+    "Q4_1": (20, 32, [0, 2], None, ref_q4_1),
+    "Q5_0": (22, 32, [0], None, ref_q5_0),
+    "Q5_1": (24, 32, [0, 2], None, ref_q5_1),
+    "Q4_K": (144, 256, [0, 2], None, ref_q4_k),
+    "Q5_K": (176, 256, [0, 2], None, ref_q5_k),
+    "Q6_K": (210, 256, [208], None, ref_q6_k),
+    "Q8_K": (292, 256, [], 0, ref_q8_k),
+}
+
+
+def random_blocks(ggml_type: str, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes are valid blocks once the scale fields hold finite, modest floats."""
+    size, _, f16_at, f32_at, _ = BLOCK_TYPES[ggml_type]
+    blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    for at in f16_at:
+        blocks[:, at:at + 2] = rng.uniform(-0.05, 0.05, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if f32_at is not None:
+        blocks[:, f32_at:f32_at + 4] = rng.uniform(-0.05, 0.05, n_blocks).astype(np.float32).view(np.uint8).reshape(-1, 4)
+    return blocks
+
+
+@pytest.mark.parametrize("ggml_type", list(BLOCK_TYPES))
+def test_dequantize_matches_reference(ggml_type):
+    rng = np.random.default_rng(RNG_SEED)
+    size, per_block, _, _, reference = BLOCK_TYPES[ggml_type]
+    rows, blocks_per_row = 3, 4
+    blocks = random_blocks(ggml_type, rows * blocks_per_row, rng)
+    expected = np.stack([reference(b) for b in blocks]).reshape(rows, blocks_per_row * per_block)
+    got = G.dequantize_blocks(blocks.reshape(rows, -1), ggml_type, (rows, blocks_per_row * per_block))
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    torch.testing.assert_close(got, torch.from_numpy(expected), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ggml_type,np_dtype", [("F32", np.float32), ("F16", np.float16)])
+def test_float_types(ggml_type, np_dtype):
+    x = np.random.default_rng(RNG_SEED).standard_normal((5, 8)).astype(np_dtype)
+    got = G.dequantize_blocks(x.view(np.uint8), ggml_type, (5, 8))
+    assert torch.equal(got, torch.from_numpy(x.astype(np.float32)))
+
+
+def test_bf16():
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    raw = x.view(torch.uint8).numpy()
+    assert torch.equal(G.dequantize_blocks(raw, "BF16", (4, 16)), x.float())
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q8_0", "Q5_0"])
+def test_quantize_roundtrip_with_gguf(ggml_type):
+    # gguf's quantizer on real-valued data, our dequantizer back: equal to the reference, close to the input.
+    x = np.random.default_rng(RNG_SEED).standard_normal((4, 64)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    blocks = gguf.quants.quantize(x, qtype)
+    got = G.dequantize_blocks(blocks, ggml_type, x.shape)
+    reference = BLOCK_TYPES[ggml_type][4]
+    expected = np.stack([reference(b) for b in blocks.reshape(-1, BLOCK_TYPES[ggml_type][0])]).reshape(x.shape)
+    torch.testing.assert_close(got, torch.from_numpy(expected), rtol=0, atol=0)
+    tolerance = {"Q8_0": 0.02, "Q5_0": 0.1, "Q4_0": 0.25}[ggml_type]
+    assert float(np.abs(got.numpy() - x).max()) < tolerance * float(np.abs(x).max())
+
+
+def test_unsupported_type_is_one_clear_error():
+    with pytest.raises(SuduError, match="not supported"):
+        G.dequantize_blocks(np.zeros((1, 66), np.uint8), "IQ2_XXS", (1, 256))
+
+
+# ---- tiny synthetic GGUF files ----
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # What llama.cpp's converter does to llama q/k weights (written from its documented behaviour).
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, arch: str, tied: bool = False, seed: int = RNG_SEED) -> dict[str, np.ndarray]:
+    """A 2-layer model with a byte-level tokenizer; returns the HF-convention float32 weights it encodes."""
+    rng = np.random.default_rng(seed)
+    hidden, heads, kv_heads, head_dim, ffn, layers = 64, 4, 2, 16, 96, 2
+    vocab_tokens = [gguf_byte(b) for b in range(256)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = len(vocab_tokens)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    if arch == "gemma3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(128)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(vocab_tokens)
+    w.add_token_types([1] * 256 + [3, 3, 3])
+    w.add_token_merges([])
+    w.add_eos_token_id(vocab - 1)
+    w.add_bos_token_id(vocab - 3)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    expected: dict[str, np.ndarray] = {}
+
+    def add(gguf_name, hf, value, quant=None, stored=None):
+        expected[hf] = value.astype(np.float32)
+        data = value if stored is None else stored
+        if quant is None:
+            w.add_tensor(gguf_name, data.astype(np.float32))
+        else:
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(gguf_name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+            # what the file really holds is the quantized value
+            expected[hf] = gguf.quants.dequantize(gguf.quants.quantize(value.astype(np.float32), qtype), qtype)
+
+    def rand(*shape):
+        return rng.standard_normal(shape).astype(np.float32) * 0.1
+
+    norm_offset = 1.0 if arch == "gemma3" else 0.0  # llama.cpp stores gemma norms as 1 + w
+    add("token_embd.weight", "model.embed_tokens.weight", rand(vocab, hidden), "Q8_0")
+    norm = rand(hidden)
+    add("output_norm.weight", "model.norm.weight", norm, stored=norm + norm_offset)
+    if not tied:
+        add("output.weight", "lm_head.weight", rand(vocab, hidden), "Q8_0")
+    for i in range(layers):
+        p = f"blk.{i}."
+        h = f"model.layers.{i}."
+        q, k = rand(heads * head_dim, hidden), rand(kv_heads * head_dim, hidden)
+        q_stored = _llama_cpp_permute(q, heads) if arch == "llama" else q
+        k_stored = _llama_cpp_permute(k, kv_heads) if arch == "llama" else k
+        add(p + "attn_q.weight", h + "self_attn.q_proj.weight", q, stored=q_stored)
+        add(p + "attn_k.weight", h + "self_attn.k_proj.weight", k, stored=k_stored)
+        add(p + "attn_v.weight", h + "self_attn.v_proj.weight", rand(kv_heads * head_dim, hidden), "Q8_0")
+        add(p + "attn_output.weight", h + "self_attn.o_proj.weight", rand(hidden, heads * head_dim), "Q4_0")
+        if arch == "qwen2":
+            for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                add(p + f"attn_{name}.bias", h + f"self_attn.{name}_proj.bias", rand(n * head_dim))
+        add(p + "ffn_gate.weight", h + "mlp.gate_proj.weight", rand(ffn, hidden), "Q5_0")
+        add(p + "ffn_up.weight", h + "mlp.up_proj.weight", rand(ffn, hidden), "Q5_0")
+        add(p + "ffn_down.weight", h + "mlp.down_proj.weight", rand(hidden, ffn), "Q8_0")
+        norms = {"attn_norm": "input_layernorm"}
+        if arch == "gemma3":
+            norms.update(post_attention_norm="post_attention_layernorm", ffn_norm="pre_feedforward_layernorm",
+                         post_ffw_norm="post_feedforward_layernorm", attn_q_norm="self_attn.q_norm",
+                         attn_k_norm="self_attn.k_norm")
+        else:
+            norms["ffn_norm"] = "post_attention_layernorm"
+        for gname, hname in norms.items():
+            size = head_dim if gname in ("attn_q_norm", "attn_k_norm") else hidden
+            value = rand(size)
+            add(p + gname + ".weight", h + hname + ".weight", value, stored=value + norm_offset)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def gguf_byte(b: int) -> str:
+    from sudu.tokenizer import byte_to_unicode
+
+    return byte_to_unicode()[b]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3"])
+def test_tiny_gguf_loads_in_hf_convention(tmp_path, arch):
+    path = tmp_path / f"tiny-{arch}.gguf"
+    expected = write_tiny_gguf(path, arch, tied=(arch == "gemma3"))
+    ck = load_checkpoint(str(path), progress=False)
+    cfg = ck.config
+    assert cfg.architecture == arch and cfg.num_hidden_layers == 2 and cfg.head_dim == 16
+    assert cfg.num_key_value_heads == 2 and cfg.rms_norm_eps == 1e-6
+    assert cfg.tie_word_embeddings == (arch == "gemma3")
+    got = dict(ck.tensors())
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], torch.from_numpy(np.asarray(value, np.float32)).reshape(got[name].shape),
+                                   rtol=0, atol=1e-6, msg=name)
+    q = ck.quantized("model.layers.0.mlp.gate_proj.weight")
+    assert q.ggml_type == "Q5_0" and q.shape == (96, 64) and q.blocks.dtype == np.uint8
+    assert not q.blocks.flags.owndata  # a view into the memory map, not a copy
+    assert ck.quantized("model.norm.weight") is None
+    assert dict(ck.tensors(torch.bfloat16))["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_gemma3_config(tmp_path):
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_tiny_gguf(path, "gemma3", tied=True)
+    cfg = G.config_from_gguf(G.open_gguf(path))
+    assert cfg.rope_local_base_freq == 10000.0 and cfg.query_pre_attn_scalar == 16
+    assert cfg.sliding_window == 128 and cfg.hidden_act == "gelu_pytorch_tanh"
+    twelve = [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(2)]
+    assert cfg.layer_types == twelve
+
+
+def test_parser_matches_gguf_reader(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "qwen2")
+    mine = G.open_gguf(path)
+    reader = gguf.GGUFReader(path)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if isinstance(value, float):
+            assert mine.metadata[key] == pytest.approx(value)
+        else:
+            assert mine.metadata[key] == value, key
+    assert [t.name for t in mine.tensors] == [t.name for t in reader.tensors]
+    for t, m in zip(reader.tensors, mine.tensors):
+        assert m.ggml_type == t.tensor_type.name and m.shape == tuple(reversed(t.shape.tolist()))
+        assert np.array_equal(m.data.reshape(-1), t.data.reshape(-1).view(np.uint8))
+
+
+def test_truncated_gguf_is_one_clear_error(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "qwen2")
+    data = path.read_bytes()
+    for cut in (len(data) - 100, 2000, 10):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(SuduError) as info:
+            G.open_gguf(bad)
+        message = str(info.value)
+        assert "truncated or corrupt" in message and "\n" not in message
+
+
+def test_hf_names():
+    assert G.hf_name("blk.3.ffn_norm.weight", "qwen2") == "model.layers.3.post_attention_layernorm.weight"
+    assert G.hf_name("blk.3.ffn_norm.weight", "gemma3") == "model.layers.3.pre_feedforward_layernorm.weight"
+    assert G.hf_name("blk.0.attn_q.bias", "qwen2") == "model.layers.0.self_attn.q_proj.bias"
+    assert G.hf_name("output.weight", "llama") == "lm_head.weight"
+    assert G.hf_name("rope_freqs.weight", "llama") is None
