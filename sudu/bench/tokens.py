@@ -6,18 +6,6 @@ from __future__ import annotations
 from typing import Callable
 
 NOT_RECOUNTED = "not recounted"
-_LOADER_NAMES = ("from_path", "from_file", "from_model", "load")
-
-
-def _load(tokenizer_module, path: str):
-    loader = getattr(tokenizer_module, "load_tokenizer", None)
-    if loader is not None:
-        return loader(path)
-    cls = getattr(tokenizer_module, "Tokenizer")
-    for name in _LOADER_NAMES:
-        if hasattr(cls, name):
-            return getattr(cls, name)(path)
-    return cls(path)
 
 
 def load_token_counter(model: str | None) -> tuple[Callable[[str], int] | None, str]:
@@ -31,17 +19,13 @@ def load_token_counter(model: str | None) -> tuple[Callable[[str], int] | None, 
     except Exception as exc:  # not a sudu model, or not downloaded: nothing to recount with
         return None, f"{NOT_RECOUNTED}: {model!r} is not a model file sudu has ({type(exc).__name__})"
     try:
-        from sudu import tokenizer as tokenizer_module
+        from sudu.tokenizer import Tokenizer
 
-        tok = _load(tokenizer_module, str(path))
+        tok = Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf(str(path))
     except Exception as exc:  # the tokenizer is optional for the bench: any failure degrades
         return None, f"{NOT_RECOUNTED}: sudu.tokenizer could not load {path} ({type(exc).__name__}: {exc})"
-    encode = tok.encode
 
     def count_tokens(text: str) -> int:
-        try:
-            return len(encode(text, add_special_tokens=False))
-        except TypeError:
-            return len(encode(text))
+        return len(tok.encode(text, add_special_tokens=False))
 
     return count_tokens, f"recounted with sudu.tokenizer ({path})"
