@@ -306,6 +306,7 @@ def _api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/chat/completions", responses={200: {"model": P.ChatCompletionResponse}, **_ERROR_RESPONSES})
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        received_at = time.perf_counter()
         engine = _ready_engine(state)
         model = _check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
@@ -315,7 +316,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         max_tokens = body.max_completion_tokens or body.max_tokens
         jobs = _make_jobs(engine, "chatcmpl", [prompt_ids], body, max_tokens, logprobs, "messages")
         _check_capacity(engine)
-        call = _Call(state, jobs, body.n, model, "chat.completion", logprobs)
+        call = _Call(state, jobs, body.n, model, "chat.completion", logprobs, received_at)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(call.chat_stream(include_usage))
@@ -323,6 +324,7 @@ def _api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/completions", responses={200: {"model": P.CompletionResponse}, **_ERROR_RESPONSES})
     async def completions(body: P.CompletionRequest, request: Request):
+        received_at = time.perf_counter()
         engine = _ready_engine(state)
         model = _check_model(state, body.model)
         prompts = _tokenize_prompts(engine, body.prompt)
@@ -332,7 +334,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         jobs = _make_jobs(engine, "cmpl", prompts, body, body.max_tokens, body.logprobs, "prompt")
         _check_capacity(engine)
         echo = [engine.tokenizer.decode(ids) for ids in prompts] if body.echo else None
-        call = _Call(state, jobs, body.n, model, "text_completion", body.logprobs, echo=echo)
+        call = _Call(state, jobs, body.n, model, "text_completion", body.logprobs, received_at, echo=echo)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(call.completion_stream(include_usage))
@@ -559,13 +561,13 @@ class _Call:
     (stream / single body) of chat and text completions."""
 
     def __init__(self, state: ServerState, jobs: list[_Job], n: int, model: str, object_: str,
-                 logprobs: int | None, echo: list[str] | None = None):
+                 logprobs: int | None, received_at: float, echo: list[str] | None = None):
         self.state, self.engine, self.metrics = state, state.engine, state.metrics
         self.jobs, self.n, self.model, self.logprobs, self.echo = jobs, n, model, logprobs, echo
         self.id = jobs[0].request_id.rsplit("-", 1)[0] if len(jobs) > 1 else jobs[0].request_id
         self.object = object_
         self.created = int(time.time())
-        self.received_at = time.perf_counter()
+        self.received_at = received_at  # handler entry: TTFT and e2e metrics include templating + tokenizing
         num_choices = len(jobs) * n
         self.num_tokens = [0] * num_choices
         self.finish_reasons: list[str | None] = [None] * num_choices
