@@ -18,7 +18,7 @@ import pytest
 
 from sudu.config import EngineConfig
 from sudu.server.app import build_app
-from tests.test_server_fake_engine import LiveServer, assert_openai_error, sse_events
+from tests.test_server_fake_engine import LiveServer, assert_openai_error
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256

@@ -309,13 +309,13 @@ def _api_routes(state: ServerState) -> APIRouter:
         received_at = time.perf_counter()
         engine = _ready_engine(state)
         model = _check_model(state, body.model)
+        _check_capacity(engine)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
         prompt_ids = _render_chat(engine.tokenizer, body.messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         jobs = _make_jobs(engine, "chatcmpl", [prompt_ids], body, max_tokens, logprobs, "messages")
-        _check_capacity(engine)
         call = _Call(state, jobs, body.n, model, "chat.completion", logprobs, received_at)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -327,12 +327,12 @@ def _api_routes(state: ServerState) -> APIRouter:
         received_at = time.perf_counter()
         engine = _ready_engine(state)
         model = _check_model(state, body.model)
+        _check_capacity(engine)
         prompts = _tokenize_prompts(engine, body.prompt)
         if len(prompts) * body.n > MAX_CHOICES_PER_REQUEST:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES_PER_REQUEST} choices",
                            param="prompt", code="invalid_value")
         jobs = _make_jobs(engine, "cmpl", prompts, body, body.max_tokens, body.logprobs, "prompt")
-        _check_capacity(engine)
         echo = [engine.tokenizer.decode(ids) for ids in prompts] if body.echo else None
         call = _Call(state, jobs, body.n, model, "text_completion", body.logprobs, received_at, echo=echo)
         if body.stream:
