@@ -323,3 +323,29 @@ def test_full_queue_429_then_shutdown_fails_the_stream_with_an_error_event(tiny_
         assert error["code"] == "request_aborted" and "shutting down" in error["message"]
     finally:
         live.stop()
+
+
+def test_parameters_reach_the_engine(client):
+    base = dict(model=MODEL, prompt="SELECT name", temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(max_tokens=16, **base).choices[0].text
+    cut = next(i for i, ch in enumerate(text) if i >= 2 and ch.isascii() and ch.isalnum())
+    stopped = client.completions.create(max_tokens=16, stop=[text[cut]], **base).choices[0]
+    assert stopped.text == text[: text.index(text[cut])] and stopped.finish_reason == "stop"
+
+    seeded = dict(model=MODEL, messages=messages("seed"), max_completion_tokens=8, temperature=1.0, seed=7)
+    a = client.chat.completions.create(**seeded)
+    b = client.chat.completions.create(**seeded)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens <= 8
+
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages("timing"), max_tokens=2)
+    assert [p.strip().split(";")[0] for p in raw.headers["server-timing"].split(",")] == ["queue", "prefill", "decode"]
+
+
+def test_stream_with_n_choices(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages("n"), max_tokens=5, n=3,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(3)]
+    assert texts[0] == texts[1] == texts[2] != ""
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]

@@ -411,3 +411,18 @@ def test_graceful_shutdown_ends_streams_with_an_error_event():
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "request_aborted"
     assert any(e["choices"] and e["choices"][0]["delta"].get("content") for e in events[:-2])
+
+
+def test_graceful_shutdown_fails_non_stream_requests_with_503():
+    engine = FakeEngine(step_s=0.01)
+    live = LiveServer(build_app(engine, shutdown_timeout_s=0.2)).__enter__()
+    responses: list = []
+    body = {"messages": [{"role": "user", "content": "z"}], "max_tokens": 300}
+    reader = threading.Thread(target=lambda: responses.append(
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)))
+    reader.start()
+    while not engine.blocks:
+        time.sleep(0.01)
+    live.stop()
+    reader.join(30)
+    assert assert_openai_error(responses[0], 503)["code"] == "request_aborted"

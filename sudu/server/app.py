@@ -674,12 +674,13 @@ class _Call:
     # -- streams
 
     def _error_event(self, exc: BaseException) -> bytes:
-        if isinstance(exc, _EngineRequestError):
-            err = APIError(503 if self.state.draining else 500, str(exc),
-                           type="service_unavailable" if self.state.draining else "server_error",
-                           code="request_aborted")
+        if self.state.draining:
+            err = APIError(503, f"The server shut down before the request finished: {exc}",
+                           type="service_unavailable", code="request_aborted")
+        elif isinstance(exc, _EngineRequestError):
+            err = APIError(500, f"The engine failed the request: {exc}", type="server_error", code="request_aborted")
         else:
-            logger.exception("stream %s failed", self.id, exc_info=exc)
+            logger.error("stream %s failed", self.id, exc_info=exc)
             err = APIError(500, f"Internal server error ({type(exc).__name__})", type="server_error")
         return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
 
@@ -779,10 +780,10 @@ async def _unless_disconnected(request: Request, work) -> Response:
     if task.cancelled():
         return Response(status_code=499)  # the client is gone; nobody reads this
     exc = task.exception()
+    if exc is not None and request.app.state.sudu.draining:
+        raise APIError(503, f"The server shut down before the request finished: {exc}",
+                       type="service_unavailable", code="request_aborted")
     if isinstance(exc, _EngineRequestError):
-        if request.app.state.sudu.draining:
-            raise APIError(503, f"The server shut down before the request finished: {exc}",
-                           type="service_unavailable", code="request_aborted")
         raise APIError(500, f"The engine failed the request: {exc}", type="server_error", code="request_aborted")
     if exc is not None:
         raise exc
