@@ -3,7 +3,7 @@ significance verdicts; arrival processes and SLO parsing."""
 import numpy as np
 import pytest
 
-from sudu.bench.metrics import parse_slo
+from sudu.bench.metrics import parse_slo, token_gap
 from sudu.bench.stats import MIN_SAMPLES_FOR_CI, TOO_FEW, ratio_ci, summarize
 from sudu.bench.workloads import arrival_offsets, make_messages
 from sudu.errors import SuduError
@@ -80,3 +80,10 @@ def test_parse_slo():
     for bad in ("ttft", "speed=3", "ttft=fast"):
         with pytest.raises(SuduError):
             parse_slo(bad)
+
+
+def test_token_gap_allows_an_unsent_stop_token():
+    assert token_gap(13, 12, "stop") == 0.0  # the server counted the stop token it never sent as text
+    assert token_gap(13, 12, "length") > 0.02
+    assert token_gap(100, 99, None) == pytest.approx(0.01)
+    assert token_gap(100, 90, "stop") == pytest.approx(0.09)

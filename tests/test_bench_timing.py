@@ -138,7 +138,8 @@ def test_plain_stream_exact_timings(server):
         # attribution: network/client = e2e - queue - prefill - decode
         a = m["attribution"]
         assert (a["queue_s"], a["prefill_s"], a["decode_s"]) == (0.002, 0.030, 0.040)
-        assert a["network_client_s"] == pytest.approx(m["e2e_s"] - 0.072)
+        assert a["network_client_s"] == pytest.approx(rec.finish_s - 0.072)
+        assert rec.finish_s == pytest.approx(m["e2e_s"], abs=TOL_S)  # finish chunk sent with the last piece
         assert m["acceptance_rate"] == 0.75 and m["mean_accepted_len"] == 2.5
         assert rec.server_timing == {"queue_s": 0.002, "prefill_s": 0.030, "decode_s": 0.040}
 

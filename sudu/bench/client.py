@@ -41,6 +41,7 @@ class RequestRecord:
     chunk_times_s: list[float] = field(default_factory=list)  # content chunks only
     chunk_tokens: list[int] = field(default_factory=list)
     token_source: str = TOKENS_ASSUMED_ONE
+    finish_s: float | None = None  # the chunk carrying finish_reason
     done_s: float | None = None  # body fully read
     text: str = ""
     finish_reason: str | None = None
@@ -260,6 +261,7 @@ async def stream_chat(
                             record.chunk_tokens.append(k)
                         if choice.get("finish_reason"):
                             record.finish_reason = choice["finish_reason"]
+                            record.finish_s = t
             record.done_s = perf() - t0
     except httpx.HTTPError as exc:
         record.done_s = perf() - t0

@@ -20,7 +20,8 @@ DEFINITIONS = {
     "task_time_s": "Task time: task start -> the task's answer passes its checker, every call counted; "
     "a task that never passes has no time (a wrong answer is never a fast answer).",
     "output_tokens": "From the server's usage (stream_options.include_usage is always sent); re-counted "
-    "with the model's tokenizer when sudu knows the model; a gap > 2% is reported.",
+    "with the model's tokenizer when sudu knows the model; a gap > 2% is reported (a stop token counted "
+    "by the server but sent as no text is not a gap).",
     "throughput_tok_s": "Total output tokens / measurement window (first request sent -> last request "
     "done). Peak = best 1-s window, reported next to the mean, never instead of it.",
     "goodput_req_s": "Requests meeting every SLO / measurement window.",
@@ -29,7 +30,8 @@ DEFINITIONS = {
     "tails). Observed cached tokens (usage.prompt_tokens_details.cached_tokens or "
     "usage.prompt_cache_hit_tokens) are recorded; contradictions are flagged.",
     "attribution": "Where the server reports a timing breakdown (sudu's `sudu` object or the "
-    "Server-Timing header): e2e = network/client + queue + prefill + decode, network/client being the rest.",
+    "Server-Timing header): request sent -> finish chunk = network/client + queue + prefill + decode, "
+    "network/client being the rest.",
     "statistics": "Warm-up requests excluded; n, mean, median, p90, p99 and a seeded bootstrap 95% CI of "
     "the mean for every figure; too few samples -> no CI, said so.",
 }
@@ -65,8 +67,10 @@ def timing_breakdown(rec) -> dict | None:
     if not src or not rec.chunk_times_s:
         return None
     parts = {k: float(src.get(k) or 0.0) for k in ("queue_s", "prefill_s", "decode_s")}
-    e2e = rec.chunk_times_s[-1]
-    parts["network_client_s"] = e2e - sum(parts.values())
+    # the server's decode ends with the finishing step (e.g. the stop token, which carries no text), so
+    # the span split here ends at the finish chunk, not at the last content chunk
+    end = rec.finish_s if rec.finish_s is not None else rec.chunk_times_s[-1]
+    parts["network_client_s"] = end - sum(parts.values())
     return parts
 
 
@@ -226,6 +230,15 @@ def observed_cache(records) -> dict:
     }
 
 
+def token_gap(out: int, recount: int, finish_reason: str | None) -> float:
+    """Relative gap between the server's and the tokenizer's counts. A server may count the stop token
+    it generated but never sent as text (finish_reason "stop"): one extra token is not a gap."""
+    gap = abs(recount - out) / out
+    if finish_reason == "stop":
+        gap = min(gap, abs(recount + 1 - out) / out)
+    return gap
+
+
 def token_gap_flags(records) -> list[str]:
     flags = []
     for r in measured(records):
@@ -233,7 +246,7 @@ def token_gap_flags(records) -> list[str]:
         out = r.metrics.get("output_tokens")
         if recount is None or not out:
             continue
-        gap = abs(recount - out) / out
+        gap = token_gap(out, recount, r.finish_reason)
         if gap > TOKEN_GAP_LIMIT:
             flags.append(
                 f"request {r.request_id} ({r.group}): server says {out} output tokens, tokenizer counts {recount} "
