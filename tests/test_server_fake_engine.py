@@ -426,3 +426,13 @@ def test_graceful_shutdown_fails_non_stream_requests_with_503():
     live.stop()
     reader.join(30)
     assert assert_openai_error(responses[0], 503)["code"] == "request_aborted"
+
+
+def test_continuous_usage_stats(fake):
+    body = {"prompt": "abcd", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", fake.url + "/v1/completions", json=body) as r:
+        events = sse_events(r)
+    content = [e for e in events[:-1] if e["choices"] and e["choices"][0]["text"]]
+    assert [e["usage"]["completion_tokens"] for e in content] == [1, 2, 3]
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-2]["choices"] == []

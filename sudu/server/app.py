@@ -318,8 +318,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         jobs = _make_jobs(engine, "chatcmpl", [prompt_ids], body, max_tokens, logprobs, "messages")
         call = _Call(state, jobs, body.n, model, "chat.completion", logprobs, received_at)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(call.chat_stream(include_usage))
+            return _sse(call.chat_stream(body.stream_options or P.StreamOptions()))
         return await _unless_disconnected(request, call.chat_response())
 
     @router.post("/completions", responses={200: {"model": P.CompletionResponse}, **_ERROR_RESPONSES})
@@ -336,8 +335,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         echo = [engine.tokenizer.decode(ids) for ids in prompts] if body.echo else None
         call = _Call(state, jobs, body.n, model, "text_completion", body.logprobs, received_at, echo=echo)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(call.completion_stream(include_usage))
+            return _sse(call.completion_stream(body.stream_options or P.StreamOptions()))
         return await _unless_disconnected(request, call.completion_response())
 
     return router
@@ -684,12 +682,13 @@ class _Call:
             err = APIError(500, f"Internal server error ({type(exc).__name__})", type="server_error")
         return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
 
-    async def chat_stream(self, include_usage: bool) -> AsyncIterator[bytes]:
+    async def chat_stream(self, options: P.StreamOptions) -> AsyncIterator[bytes]:
         self.object = "chat.completion.chunk"
         for i in range(len(self.num_tokens)):
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
         want_logprobs = self.logprobs is not None
+        running_usage = options.continuous_usage_stats
         try:
             async with aclosing(_generate_all(self.engine, self.jobs)) as outputs:
                 async for job_index, out in outputs:
@@ -698,21 +697,23 @@ class _Call:
                         idx = job_index * self.n + c.index
                         if c.text or (want_logprobs and c.logprobs):
                             logprobs = {"content": _chat_logprobs(c.logprobs or [])} if want_logprobs else None
-                            yield self._chunk([{"index": idx, "delta": {"content": c.text}, "logprobs": logprobs,
-                                                "finish_reason": None}])
+                            choice = {"index": idx, "delta": {"content": c.text}, "logprobs": logprobs,
+                                      "finish_reason": None}
+                            yield self._chunk([choice], usage=self.usage()) if running_usage else self._chunk([choice])
                         if c.finish_reason is not None and out.error is None:
                             yield self._chunk([{"index": idx, "delta": {}, "logprobs": None,
                                                 "finish_reason": c.finish_reason}], sudu=_timing(out, now))
                     if out.error is not None:
                         raise _EngineRequestError(out.error)
-            if include_usage:
+            if options.include_usage:
                 yield self._chunk([], usage=self.usage(), sudu=self.timing())
         except Exception as exc:  # noqa: BLE001 -- a stream ends with an error event, never cut short
             yield self._error_event(exc)
         yield b"data: [DONE]\n\n"
 
-    async def completion_stream(self, include_usage: bool) -> AsyncIterator[bytes]:
+    async def completion_stream(self, options: P.StreamOptions) -> AsyncIterator[bytes]:
         want_logprobs = self.logprobs is not None
+        running_usage = options.continuous_usage_stats
         offsets = [_CompletionLogprobs() for _ in self.num_tokens]
         if self.echo:
             for i in range(len(self.num_tokens)):
@@ -727,14 +728,14 @@ class _Call:
                         idx = job_index * self.n + c.index
                         if c.text or (want_logprobs and c.logprobs):
                             logprobs = offsets[idx].render(c.logprobs or []) if want_logprobs else None
-                            yield self._chunk([{"index": idx, "text": c.text, "logprobs": logprobs,
-                                                "finish_reason": None}])
+                            choice = {"index": idx, "text": c.text, "logprobs": logprobs, "finish_reason": None}
+                            yield self._chunk([choice], usage=self.usage()) if running_usage else self._chunk([choice])
                         if c.finish_reason is not None and out.error is None:
                             yield self._chunk([{"index": idx, "text": "", "logprobs": None,
                                                 "finish_reason": c.finish_reason}], sudu=_timing(out, now))
                     if out.error is not None:
                         raise _EngineRequestError(out.error)
-            if include_usage:
+            if options.include_usage:
                 yield self._chunk([], usage=self.usage(), sudu=self.timing())
         except Exception as exc:  # noqa: BLE001 -- a stream ends with an error event, never cut short
             yield self._error_event(exc)

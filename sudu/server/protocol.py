@@ -25,7 +25,10 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="Send a final chunk with usage (and choices: []).")
+    continuous_usage_stats: bool = Field(
+        False, description="sudu extension (vLLM's name): running usage on every content chunk."
+    )
 
 
 class _SamplingFields(_Request):
