@@ -188,6 +188,29 @@ def attribution_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def cache_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    """The cache suite at a glance: median TTFT per state and prompt length, with the cached tokens the
+    server reported as evidence, and cold/warm, cold/shared-prefix speedups."""
+    header = ["prompt words", "cold TTFT ms (cached tok)", "warm TTFT ms (cached tok)",
+              "shared-prefix TTFT ms (cached tok)", "cold/warm", "cold/shared-prefix"]
+    by_key = {(g["params"]["prompt_words"], g["cache_state"]): g for g in report["groups"] if "prompt_words" in g["params"]}
+    rows = []
+    for length in sorted({k[0] for k in by_key}):
+        cells, medians = [str(length)], {}
+        for state in ("cold", "warm", "shared-prefix"):
+            g = by_key.get((length, state))
+            ttft = (g or {}).get("metrics", {}).get("ttft_s")
+            medians[state] = ttft["median"] if ttft else None
+            cached = (g or {}).get("observed_cache", {})
+            evidence = _num(cached.get("mean_cached_tokens"), "{:.0f}") if cached.get("reported") else "not reported"
+            cells.append(f"{_ms(ttft)} ({evidence})")
+        for state in ("warm", "shared-prefix"):
+            a, b = medians["cold"], medians[state]
+            cells.append(f"{a / b:.2f}x" if a and b else "-")
+        rows.append(cells)
+    return header, rows
+
+
 def task_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     header = ["task", "passed", "task time s p50 (passing only)", "mean 95% CI", "calls", "last check"]
     rows = []
@@ -214,6 +237,9 @@ def markdown_summary(report: dict) -> str:
     header, rows = group_rows(report)
     if rows:
         parts.append(_md_table(header, rows))
+    header, rows = cache_rows(report)
+    if rows:
+        parts += ["## Cache effect (median TTFT; observed cached tokens as evidence)", _md_table(header, rows)]
     header, rows = attribution_rows(report)
     if rows:
         parts += ["## Where the time went (server-reported breakdown, means)", _md_table(header, rows)]
@@ -288,6 +314,7 @@ def plots(report: dict) -> list[tuple[str, str]]:
         ax.plot(xs, [g["throughput"]["mean_tok_s"] for g in conc], "o-", label="mean")
         ax.plot(xs, [g["throughput"].get("peak_tok_s") or float("nan") for g in conc], "s--", label="peak (best 1 s)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("concurrency")
         ax.set_ylabel("output tok/s")
         ax.set_title("Throughput vs concurrency")
@@ -344,8 +371,8 @@ def html_report(report: dict) -> str:
     parts = [f"<h1>{html.escape(title)}</h1>",
              f"<p>target {html.escape(str(t.get('url')))}, model {html.escape(str(t.get('model')))}, "
              f"started {report['started_at']}, schema {report['schema']}</p>"]
-    for heading, (header, rows) in (("Results", group_rows(report)), ("Where the time went", attribution_rows(report)),
-                                    ("Tasks", task_rows(report))):
+    for heading, (header, rows) in (("Results", group_rows(report)), ("Cache effect", cache_rows(report)),
+                                    ("Where the time went", attribution_rows(report)), ("Tasks", task_rows(report))):
         if rows:
             parts += [f"<h2>{heading}</h2>", _html_table(header, rows)]
     if report["flags"]:
