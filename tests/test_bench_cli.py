@@ -211,6 +211,21 @@ def test_bad_flags_are_one_line_errors(server, tmp_path):
             run_cli(argv + ["--url", server.url, "--out", str(tmp_path)])
 
 
+def test_unreachable_server_is_a_one_line_error(tmp_path):
+    with pytest.raises(SuduError, match="cannot reach"):
+        run_cli(["single", "--url", "http://127.0.0.1:1", "--model", "m", "--out", str(tmp_path)])
+
+
+def test_failed_requests_are_flagged(tmp_path):
+    from sudu.bench.fake_server import ScriptedResponse
+
+    with FakeServer(lambda body: ScriptedResponse(status=429, body=b'{"error": {"message": "queue full"}}')) as srv:
+        run_cli(["single", "--url", srv.url, "-n", "3", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
+    _, rep = _report(tmp_path, "single")
+    assert rep["groups"][0]["n_ok"] == 0
+    assert rep["flags"] == ["single: 3 of 3 requests failed (HTTP 429: {\"error\": {\"message\": \"queue full\"}})"]
+
+
 def test_embedded_default_starts_waits_and_stops_a_server(tmp_path, monkeypatch):
     """No --url: a server process is started on a free port, /health is awaited, the suite runs against
     it and the process is stopped. (The fake server stands in for `sudu serve` here.)"""

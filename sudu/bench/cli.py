@@ -192,6 +192,8 @@ async def run_suite(args, run) -> None:
     headers = auth_headers(args.api_key)
     async with make_client(1, 30.0) as c:
         run.server_info = await fetch_server_info(c, base, headers)
+    if run.server_info.get("error", "").startswith(("ConnectError", "ConnectTimeout")):
+        raise SuduError(f"cannot reach {base}: {run.server_info['error']}")
     model = args.model
     if not model:
         data = (run.server_info.get("models") or {}).get("data") or []

@@ -80,7 +80,9 @@ def group_summary(run, group, slo: dict) -> dict:
     out["throughput"] = thr
     out["goodput"] = M.goodput(recs, slo, thr.get("window_s") or 0.0)
     out["observed_cache"] = M.observed_cache(recs)
-    out["flags"] = M.cache_flags(recs) + M.token_gap_flags(recs)
+    failed = len(recs) - len(ok)
+    out["flags"] = ([f"{group.name}: {failed} of {len(recs)} requests failed ({out['errors'][0]})"] if failed else [])
+    out["flags"] += M.cache_flags(recs) + M.token_gap_flags(recs)
     sources = sorted({r.token_source for r in ok})
     out["chunk_token_source"] = sources
     return out
