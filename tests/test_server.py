@@ -113,6 +113,11 @@ def test_chat_logprobs(client):
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[-1].logprob
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages("x"), max_tokens=4, logprobs=True,
+                                                 top_logprobs=3, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]  # one entry per token, as the bench counts
 
 
 def test_async_client_chat_and_completions(live):
