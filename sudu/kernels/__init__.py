@@ -1,0 +1,76 @@
+"""Native CPU kernels, compiled on first use.
+
+`load()` returns the compiled `quant_linear` extension (see quant_linear.cpp), or None when it cannot
+be used: `SUDU_NO_EXT=1`, a CPU without AVX2/FMA, or a failed compile. Callers then take the PyTorch
+path; a failure is reported once as a one-line warning, never raised, because the extension is a speed
+lever, not a requirement. The build is cached under $SUDU_HOME/torch_extensions so only the first
+process pays the ~30-60 s compile.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("quant_linear.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+def build_dir() -> Path:
+    home = Path(os.environ.get("SUDU_HOME") or "~/.cache/sudu").expanduser()
+    return home / "torch_extensions" / "quant_linear"
+
+
+def disabled_reason() -> str | None:
+    if os.environ.get("SUDU_NO_EXT", "") not in ("", "0"):
+        return "SUDU_NO_EXT is set"
+    if not _cpu_has_avx2_fma():
+        return "this CPU lacks AVX2/FMA/F16C"
+    return None
+
+
+def load():
+    """The compiled extension module, or None (see the module docstring)."""
+    reason = disabled_reason()
+    if reason is not None:
+        return None
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _compile()
+        return _state["module"]
+
+
+def _compile():
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        path = build_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        return load_extension(
+            name="sudu_quant_linear",
+            sources=[str(_SOURCE)],
+            # No -march=native: the cached build must run on any AVX2 machine that shares $SUDU_HOME.
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(path),
+            verbose=False,
+        )
+    except Exception as exc:  # any compiler/linker failure: fall back, say so once
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        warnings.warn(f"sudu: native quantized kernels unavailable, using PyTorch kernels ({first_line[:200]})",
+                      stacklevel=3)
+        return None

@@ -1,0 +1,188 @@
+// Weight-only quantized linear layers for CPUs with AVX2 + FMA + F16C.
+//
+// y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), x and y float32.
+// Formats (K a multiple of 32, group size G a multiple of 32 that divides K):
+//   int8: q int8 [N, K];                 w = s[n, k / G] * q
+//   int4: q uint8 [N, K / 2], 32-element sub-blocks of 16 bytes, byte j holding element j in its low
+//         nibble and element j + 16 in its high one (so one shift + mask yields two contiguous halves);
+//                                         w = s[n, k / G] * q + m[n, k / G],  q in [0, 15]
+// Scales and mins are float16 (half the bytes of float32, and F16C converts them for free).
+//
+// Why this kernel: decode is bound by reading weights. PyTorch's packed int8/int4 kernels read the
+// weights once per activation row, so a batch of 8 costs 8x. Here each worker dequantizes a tile of
+// NR weight rows x KC columns into an L1-resident float buffer once, then runs every activation row
+// against it: weights cross the memory bus once per step whatever M is, and the multiply-adds are
+// plain float32 FMAs on exactly the dequantized weights (same numbers as the float reference).
+// The per-(m, n) accumulation order does not depend on M, so batching does not change any row's result.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t NR = 4;    // weight rows per tile: x loads are shared by NR FMAs
+constexpr int64_t KC = 512;  // columns per tile: NR * KC floats = 8 KiB stays in L1
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// Dequantize columns [k0, k0 + kc) of one int8 row into out.
+inline void dequant_int8(const int8_t* q, const uint16_t* s, int64_t G, int64_t k0, int64_t kc, float* out) {
+  for (int64_t k = k0; k < k0 + kc; k += 32) {
+    const __m256 sv = _mm256_set1_ps(half_to_float(s[k / G]));
+    for (int64_t j = 0; j < 32; j += 8) {
+      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + j));
+      __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+      _mm256_storeu_ps(out + (k - k0) + j, _mm256_mul_ps(f, sv));
+    }
+  }
+}
+
+inline void dequant_int4(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t G, int64_t k0, int64_t kc,
+                         float* out) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t k = k0; k < k0 + kc; k += 32) {
+    const __m256 sv = _mm256_set1_ps(half_to_float(s[k / G]));
+    const __m256 mv = _mm256_set1_ps(half_to_float(mn[k / G]));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+    __m128i lo = _mm_and_si128(b, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    float* o = out + (k - k0);
+    _mm256_storeu_ps(o + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sv, mv));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sv, mv));
+    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sv, mv));
+    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sv, mv));
+  }
+}
+
+// acc[r] += dot(x[0:kc], w[r][0:kc]) for ROWS activation rows and NR weight rows.
+template <int ROWS>
+inline void tile_dot(const float* x, int64_t ldx, const float* w, int64_t kc, float* acc, int64_t ldacc) {
+  __m256 a[ROWS][NR];
+  for (int i = 0; i < ROWS; ++i)
+    for (int r = 0; r < NR; ++r) a[i][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; k += 8) {
+    __m256 xv[ROWS];
+    for (int i = 0; i < ROWS; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+    for (int r = 0; r < NR; ++r) {
+      __m256 wv = _mm256_loadu_ps(w + r * KC + k);
+      for (int i = 0; i < ROWS; ++i) a[i][r] = _mm256_fmadd_ps(xv[i], wv, a[i][r]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int r = 0; r < NR; ++r) acc[i * ldacc + r] += hsum(a[i][r]);
+}
+
+template <bool INT4>
+void qlinear_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
+                  int64_t N, int64_t G, const float* bias, float* y) {
+  const int64_t ngroups = K / G;
+  const int64_t row_bytes = INT4 ? K / 2 : K;
+  const int64_t ntiles = (N + NR - 1) / NR;
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    alignas(32) float wbuf[NR * KC];
+    std::vector<float> acc(M * NR);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * NR;
+      const int64_t nr = std::min(NR, N - n0);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        for (int64_t r = 0; r < NR; ++r) {
+          // A ragged last tile repeats its last row: harmless work, no branches in the inner loop.
+          const int64_t n = n0 + std::min(r, nr - 1);
+          if (INT4)
+            dequant_int4(q + n * row_bytes, s + n * ngroups, mn + n * ngroups, G, k0, kc, wbuf + r * KC);
+          else
+            dequant_int8(reinterpret_cast<const int8_t*>(q) + n * row_bytes, s + n * ngroups, G, k0, kc,
+                         wbuf + r * KC);
+        }
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) tile_dot<4>(x + m * K + k0, K, wbuf, kc, acc.data() + m * NR, NR);
+        for (; m + 2 <= M; m += 2) tile_dot<2>(x + m * K + k0, K, wbuf, kc, acc.data() + m * NR, NR);
+        for (; m < M; ++m) tile_dot<1>(x + m * K + k0, K, wbuf, kc, acc.data() + m * NR, NR);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < nr; ++r) y[m * N + n0 + r] = acc[m * NR + r] + (bias ? bias[n0 + r] : 0.f);
+    }
+  });
+}
+
+template <bool INT4>
+void dequant_impl(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t N, int64_t K, int64_t G, float* out) {
+  const int64_t ngroups = K / G;
+  const int64_t row_bytes = INT4 ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (INT4)
+        dequant_int4(q + n * row_bytes, s + n * ngroups, mn + n * ngroups, G, 0, K, out + n * K);
+      else
+        dequant_int8(reinterpret_cast<const int8_t*>(q) + n * row_bytes, s + n * ngroups, G, 0, K, out + n * K);
+    }
+  });
+}
+
+void check_args(const torch::Tensor& q, const torch::Tensor& s, int64_t K, int64_t G) {
+  TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "weights must be contiguous");
+  TORCH_CHECK(s.scalar_type() == torch::kHalf, "scales must be float16");
+  TORCH_CHECK(K % 32 == 0 && G % 32 == 0 && K % G == 0, "K and the group size must be multiples of 32");
+  TORCH_CHECK(s.size(0) == q.size(0) && s.size(1) == K / G, "scales must be [N, K / group_size]");
+}
+
+}  // namespace
+
+// x: float32 [M, K]; q: int8 [N, K] or uint8 [N, K/2]; s, mn: float16 [N, K/G]; bias: float32 [N] or empty.
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size,
+                      c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
+  x = x.contiguous();
+  const bool int4 = q.scalar_type() == torch::kByte;
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == (int4 ? K / 2 : K), "weight shape does not match x");
+  check_args(q, s, K, group_size);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N && bias->is_contiguous(), "bad bias");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const auto* s_ptr = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
+  if (int4) {
+    TORCH_CHECK(mn.sizes() == s.sizes() && mn.scalar_type() == torch::kHalf && mn.is_contiguous(), "bad mins");
+    qlinear_impl<true>(x.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), s_ptr,
+                       reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()), N, group_size, b, y.data_ptr<float>());
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kChar, "int8 weights must be torch.int8");
+    qlinear_impl<false>(x.data_ptr<float>(), M, K, reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s_ptr,
+                        nullptr, N, group_size, b, y.data_ptr<float>());
+  }
+  return y;
+}
+
+// The float32 weights [N, K] (for prefill: dequantize once, then one float32 GEMM).
+torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size) {
+  const bool int4 = q.scalar_type() == torch::kByte;
+  const int64_t N = q.size(0), K = int4 ? q.size(1) * 2 : q.size(1);
+  check_args(q, s, K, group_size);
+  auto out = torch::empty({N, K}, torch::dtype(torch::kFloat));
+  const auto* s_ptr = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
+  if (int4)
+    dequant_impl<true>(q.data_ptr<uint8_t>(), s_ptr, reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()), N, K,
+                       group_size, out.data_ptr<float>());
+  else
+    dequant_impl<false>(reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s_ptr, nullptr, N, K, group_size,
+                        out.data_ptr<float>());
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias");
+  m.def("dequantize", &dequantize, "dequant(W) as float32 [N, K]");
+}

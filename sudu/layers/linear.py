@@ -1,0 +1,181 @@
+"""Weight-only quantized linear layers (int8, int4) and `quantize_model`, which swaps a network's
+nn.Linear modules for them in place.
+
+Formats (both keep activations and accumulation in float32, so the only error is the weights'):
+  int8: symmetric, one float16 scale per group of 32 input columns: w = s * q, q in [-127, 127].
+        1.06 bytes per weight. Grouped rather than per-channel because it reproduces GGUF's Q8_0 blocks
+        exactly (they are copied, not requantized) and keeps requantized Q5_0/Q6_K weights within a few
+        percent of their own grid step.
+  int4: asymmetric, float16 scale and min per group of 32: w = s * q + m, q in [0, 15]. 0.625 bytes
+        per weight.
+
+Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py for the figures):
+  M <= KERNEL_MAX_ROWS  the native kernel (sudu/kernels): each weight tile is read from memory once per
+                        call and used for every row, so a batch of 8-32 decodes costs little more than 1.
+  M >  KERNEL_MAX_ROWS  prefill: compute-bound, so dequantize to float32 in slices of output channels and
+                        run float32 GEMMs; the temporary stays under DEQUANT_SLICE_BYTES.
+Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
+PyTorch ops: correct, but decode loses the quantization speed-up.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sudu import kernels
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("int8", "int4")
+GROUP_SIZE = 32
+KERNEL_MAX_ROWS = 48
+DEQUANT_SLICE_BYTES = 64 << 20
+
+
+def quantize_int8(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int8 [N, K], scales float16 [N, K / group_size])."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    scales = (g.abs().amax(dim=-1) / 127.0).half()
+    # Divide by the float16-rounded scale actually stored, so dequantization is consistent with it.
+    s = scales.float().clamp_min(torch.finfo(torch.float16).tiny).unsqueeze(-1)
+    q = torch.round(g / s).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (packed uint8 [N, K / 2], scales, mins float16 [N, K / group_size])."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).half()
+    mins = lo.half()
+    s = scales.float().clamp_min(torch.finfo(torch.float16).tiny).unsqueeze(-1)
+    q = torch.round((g - mins.float().unsqueeze(-1)) / s).clamp_(0, 15).to(torch.uint8)
+    # Sub-blocks of 32: byte j holds element j (low nibble) and j + 16 (high nibble); see quant_linear.cpp.
+    q = q.reshape(n, k // 32, 2, 16)
+    packed = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(n, k // 2)
+    return packed.contiguous(), scales, mins
+
+
+def dequantize_torch(fmt: str, qweight, scales, mins, group_size: int) -> torch.Tensor:
+    """Reference dequantization in PyTorch ops (the fallback path and the tests' ground truth)."""
+    n = qweight.shape[0]
+    if fmt == "int8":
+        q = qweight.float().reshape(n, -1, group_size)
+        return (q * scales.float().unsqueeze(-1)).reshape(n, -1)
+    packed = qweight.reshape(n, -1, 1, 16)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=2).float().reshape(n, -1, group_size)
+    return (q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)).reshape(n, -1)
+
+
+def q8_0_blocks(qt) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 blocks (per 32 weights: float16 scale, 32 int8) -> the int8 format, bit for bit."""
+    rows = np.ascontiguousarray(qt.blocks).reshape(qt.shape[0], -1, 34)
+    scales = torch.from_numpy(np.ascontiguousarray(rows[:, :, :2]).view(np.float16).reshape(qt.shape[0], -1))
+    q = torch.from_numpy(np.ascontiguousarray(rows[:, :, 2:]).view(np.int8).reshape(qt.shape[0], -1))
+    if qt.row_permutation is not None:
+        perm = torch.from_numpy(np.asarray(qt.row_permutation, dtype=np.int64))
+        q, scales = q[perm], scales[perm]
+    return q.contiguous(), scales.contiguous()
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequant(W)^T + b with W stored as int8 or int4 (module docstring); x of any float dtype."""
+
+    def __init__(self, fmt: str, qweight, scales, mins, bias, in_features: int, group_size: int = GROUP_SIZE):
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+        self.fmt = fmt
+        self.in_features = in_features
+        self.out_features = qweight.shape[0]
+        self.group_size = group_size
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("mins", mins.contiguous() if mins is not None else torch.empty(0, dtype=torch.float16))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._ext = kernels.load()
+
+    @classmethod
+    def from_float(cls, fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   group_size: int = GROUP_SIZE) -> "QuantizedLinear":
+        if fmt == "int8":
+            q, s = quantize_int8(weight, group_size)
+            mins = None
+        else:
+            q, s, mins = quantize_int4(weight, group_size)
+        return cls(fmt, q, s, mins, bias, weight.shape[1], group_size)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self._ext is not None:
+            return self._ext.dequantize(self.qweight, self.scales, self.mins, self.group_size)
+        return dequantize_torch(self.fmt, self.qweight, self.scales, self.mins, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        if self._ext is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = self._ext.qlinear(x2, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+        else:
+            y = self._dequantized_gemm(x2)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        rows_per_slice = max(1, DEQUANT_SLICE_BYTES // (4 * self.in_features))
+        if rows_per_slice >= self.out_features:
+            return F.linear(x, self.dequantized_weight(), self.bias)
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        for n0 in range(0, self.out_features, rows_per_slice):
+            n1 = min(n0 + rows_per_slice, self.out_features)
+            w = self._slice_dequantized(n0, n1)
+            out[:, n0:n1] = F.linear(x, w, None if self.bias is None else self.bias[n0:n1])
+        return out
+
+    def _slice_dequantized(self, n0: int, n1: int) -> torch.Tensor:
+        q, s = self.qweight[n0:n1], self.scales[n0:n1]
+        m = self.mins[n0:n1] if self.fmt == "int4" else self.mins
+        if self._ext is not None:
+            return self._ext.dequantize(q, s, m, self.group_size)
+        return dequantize_torch(self.fmt, q, s, m, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
+
+
+def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
+    """Replace every nn.Linear whose input width is a multiple of the group size with a QuantizedLinear,
+    in place. Q8_0 tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is
+    quantized from the loaded float weights. Layers that do not fit the group size stay float."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization {fmt!r}; expected none, {', '.join(FORMATS)}")
+    replaced, kept = 0, []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        if module.in_features % group_size != 0 or group_size % 32 != 0:
+            kept.append(name)
+            continue
+        qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
+        with torch.no_grad():
+            if fmt == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
+                q, s = q8_0_blocks(qt)
+                new = QuantizedLinear("int8", q, s, None, module.bias, module.in_features, group_size)
+            else:
+                new = QuantizedLinear.from_float(fmt, module.weight, module.bias, group_size)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced += 1
+    if kept:
+        log.warning("quantization %s: kept %d linear layers in float (input width not a multiple of %d): %s",
+                    fmt, len(kept), group_size, ", ".join(kept[:3]))
+    log.info("quantization %s: %d linear layers, native kernels %s", fmt, replaced,
+             "on" if kernels.load() is not None else f"off ({kernels.disabled_reason() or 'compile failed'})")
+    return model
