@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)` makes the FastAPI app (routes, SSE streaming,
-OpenAI-style errors, auth, metrics); `serve(app, ...)` runs it under uvicorn with a graceful drain.
+OpenAI-style errors, auth, metrics); `make_server(app, ...)` runs it under uvicorn with a graceful drain.
 
 Request path: pydantic validates the body -> the chat template is rendered and tokenized here ->
 `engine.generate` (the engine loop runs in its own thread) yields per-step deltas -> they leave as SSE
@@ -8,14 +8,13 @@ engine request so its KV blocks return to the pool."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
 import threading
 import time
 import uuid
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -794,14 +793,9 @@ async def _unless_disconnected(request: Request, work) -> Response:
 # ---------------------------------------------------------------- running under uvicorn
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run until SIGINT/SIGTERM, then drain: no new connections, in-flight requests finish within the
-    app's shutdown timeout or end with an error event."""
-    server = make_server(app, host, port, log_level)
-    server.run()
-
-
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info"):
+    """A uvicorn server that, on SIGINT/SIGTERM, stops listening, then drains (in-flight requests
+    finish within the app's shutdown timeout or end with an error event), then exits normally."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -811,7 +805,7 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info"):
             await drain(app)
             await super().shutdown(sockets)
 
-        @contextlib.contextmanager
+        @contextmanager
         def capture_signals(self):
             with super().capture_signals():
                 yield
