@@ -11,9 +11,10 @@ Dequantized tensors follow Hugging Face conventions, because the model code is w
 llama.cpp's Q/K row permutation (llama arch only) is undone, and Gemma's RMSNorm weights, which
 llama.cpp stores as (1 + w), are stored back as w.
 
-Dequantization: the formats that dominate load time (Q8_0, Q5_0, Q4_0, Q8_K, the float types) are
-decoded here in torch, which is several times faster than numpy on the large embedding matrices;
-the k-quants (Q2_K..Q6_K) use `gguf.quants`, checked against an independent reference in tests.
+Dequantization: the block formats of the big matrices (Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q8_K) and the float
+types are decoded here in torch, bit-identical to `gguf.quants` and multi-threaded (numpy's is not;
+single-threaded the two cost about the same); the k-quants (Q2_K..Q6_K) use `gguf.quants`, where a torch
+port measured slower. Tests check every type against an independent per-block reference.
 """
 from __future__ import annotations
 
