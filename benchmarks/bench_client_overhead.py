@@ -11,15 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import time
 
-import httpx
-
 from sudu.bench.client import RequestRecord, auth_headers, chat_body, make_client, stream_chat
-from sudu.bench.local_server import free_port, stop_server
-from sudu.bench.overhead import RATE_TARGET_REQ_S, TTFT_BUDGET_MS, measure
+from sudu.bench.overhead import RATE_TARGET_REQ_S, TTFT_BUDGET_MS, instant_fake_server, measure
 
 
 async def shared_pool_rate(base: str, n: int, concurrency: int) -> float:
@@ -45,28 +40,19 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sudu.bench.fake_server", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        for _ in range(100):
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health")
-                break
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        rates, ttfts, baseline = [], [], []
+    rates, ttfts, cpus, baseline = [], [], [], []
+    with instant_fake_server() as base:
         for _ in range(args.rounds):
             res = asyncio.run(measure(base, 300, args.requests, args.concurrency))
             rates.append(res["requests_per_s"])
             ttfts.append(res["ttft_ms"]["median"])
+            cpus.append(res["cpu_ms_per_request"])
             baseline.append(asyncio.run(shared_pool_rate(base, min(args.requests, 1000), args.concurrency)))
-    finally:
-        stop_server(proc)
     rate, ttft, base_rate = statistics.median(rates), statistics.median(ttfts), statistics.median(baseline)
+    cpu = statistics.median(cpus)
     print(f"client self-test, {args.rounds} rounds (medians), concurrency {args.concurrency}:")
     print(f"  streaming requests/s : {rate:.0f}  (target >= {RATE_TARGET_REQ_S:.0f}; rounds {[round(r) for r in rates]})")
+    print(f"  client CPU / request : {cpu:.3f} ms  (one free core: {1e3 / cpu:.0f} req/s)")
     print(f"  TTFT, instant server : {ttft:.3f} ms  (budget <= {TTFT_BUDGET_MS} ms; rounds {[round(t, 3) for t in ttfts]})")
     print(f"  one shared httpx pool: {base_rate:.0f} req/s -> per-request pools are {rate / base_rate:.1f}x faster")
     ok = rate >= RATE_TARGET_REQ_S and ttft <= TTFT_BUDGET_MS

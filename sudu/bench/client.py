@@ -116,7 +116,7 @@ class ClientPool:
 
 
 def auth_headers(api_key: str | None) -> dict:
-    headers = {"Accept": "text/event-stream"}
+    headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     return headers
@@ -196,10 +196,11 @@ async def stream_chat(
     prev_completion_tokens = [0]
     sources: set[str] = set()
     saw_done = False
+    payload = json.dumps(body).encode()
     t0 = perf()
     record.t_sent_s = t0
     try:
-        async with client.stream("POST", f"{base}/chat/completions", json=body, headers=headers) as resp:
+        async with client.stream("POST", f"{base}/chat/completions", content=payload, headers=headers) as resp:
             record.status = resp.status_code
             record.server_timing = parse_server_timing(resp.headers.get("server-timing"))
             if resp.status_code != 200:
@@ -209,7 +210,9 @@ async def stream_chat(
                 return record
             buf = b""
             data_lines: list[bytes] = []
-            async for raw in resp.aiter_bytes():
+            # aiter_raw skips httpx's (identity) decoder chain; a compressed stream goes through it
+            encoded = resp.headers.get("content-encoding", "identity") != "identity"
+            async for raw in (resp.aiter_bytes() if encoded else resp.aiter_raw()):
                 t = perf() - t0
                 if record.first_byte_s is None:
                     record.first_byte_s = t

@@ -249,7 +249,10 @@ class FakeServer:
 
 
 async def serve_forever(host: str, port: int, num_chunks: int) -> None:
-    srv = FakeServer(lambda body: instant_script(body, num_chunks), host, port)
+    # one answer, its events encoded once: the server should cost the client-overhead run little CPU
+    answer = instant_script({"model": "fake"}, num_chunks)
+    answer.events = [Event(e.at_s, _encode(e.data)) for e in answer.events]
+    srv = FakeServer(lambda body: answer, host, port)
     server = await asyncio.start_server(srv._handle, host, port, backlog=4096)
     print(f"fake OpenAI server on http://{host}:{server.sockets[0].getsockname()[1]}/v1", flush=True)
     async with server:

@@ -33,28 +33,29 @@ def serve_command(port: int, model: str | None) -> list[str]:
     return cmd
 
 
-def _log_tail(path: str, lines: int = 15) -> str:
+def _log_note(path: str | None, lines: int = 15) -> str:
+    """The tail of the server's log, for an error message."""
+    if not path:
+        return ""
     try:
         with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:]).strip()
+            return f"; log {path}:\n" + "".join(f.readlines()[-lines:]).strip()
     except OSError:
-        return ""
+        return f"; log {path} unreadable"
 
 
-def wait_for_health(proc: subprocess.Popen, root_url: str, timeout_s: float, log_path: str) -> float:
+def wait_for_health(proc: subprocess.Popen, root_url: str, timeout_s: float, log_path: str | None = None,
+                    name: str = "sudu serve") -> float:
     """Seconds until GET /health answered 200; SuduError if the server exits or the timeout passes."""
     from rich.console import Console
 
     t0 = time.perf_counter()
     console = Console(stderr=True)
-    with console.status("starting sudu serve") as status, httpx.Client(timeout=5.0) as client:
+    with console.status(f"starting {name}") as status, httpx.Client(timeout=5.0) as client:
         while True:
             elapsed = time.perf_counter() - t0
             if proc.poll() is not None:
-                raise SuduError(
-                    f"sudu serve exited with code {proc.returncode} before it was ready; log {log_path}:\n"
-                    + _log_tail(log_path)
-                )
+                raise SuduError(f"{name} exited with code {proc.returncode} before it was ready{_log_note(log_path)}")
             try:
                 if client.get(f"{root_url}/health").status_code == 200:
                     return elapsed
@@ -62,10 +63,9 @@ def wait_for_health(proc: subprocess.Popen, root_url: str, timeout_s: float, log
                 pass
             if elapsed > timeout_s:
                 raise SuduError(
-                    f"sudu serve was not healthy after {timeout_s:.0f} s (raise --server-timeout); log {log_path}:\n"
-                    + _log_tail(log_path)
+                    f"{name} was not healthy after {timeout_s:.0f} s (raise --server-timeout){_log_note(log_path)}"
                 )
-            status.update(f"waiting for sudu serve to load the model ({elapsed:.0f} s / {timeout_s:.0f} s)")
+            status.update(f"waiting for {name} to get ready ({elapsed:.0f} s / {timeout_s:.0f} s)")
             time.sleep(HEALTH_POLL_S)
 
 

@@ -253,7 +253,8 @@ def markdown_summary(report: dict) -> str:
         parts += ["## Client self-test",
                   f"TTFT against an instant server: median {oh['ttft_ms']['median']:.2f} ms (budget {oh['ttft_budget_ms']} ms); "
                   f"{oh['requests_per_s']:.0f} streaming requests/s at concurrency {oh['concurrency']} "
-                  f"(target {oh['rate_target_req_s']:.0f}); meets targets: {oh['meets_targets']}"]
+                  f"(target {oh['rate_target_req_s']:.0f}), {oh['cpu_ms_per_request']:.2f} ms client CPU per request; "
+                  f"meets targets: {oh['meets_targets']}"]
     if report["flags"]:
         flags = [f"- {f}" for f in report["flags"][:30]]
         if len(report["flags"]) > 30:

@@ -99,10 +99,6 @@ async def warmup(ctx: Ctx, n: int, max_tokens: int = 16) -> None:
         await send(ctx, "warmup", "cold", make_messages("cold", SHORT_QUESTION), max_tokens, warmup=True)
 
 
-def planned_single(n: int, warmups: int) -> int:
-    return n + warmups
-
-
 async def run_single(ctx: Ctx, n: int, warmups: int, max_tokens: int) -> None:
     await warmup(ctx, warmups)
     ctx.run.groups.append(Group("single", "cold", {"max_tokens": max_tokens}))
@@ -141,10 +137,6 @@ async def run_throughput(ctx: Ctx, levels: list[Group], n: int, warmups: int, in
                 await send(ctx, level.name, "cold", make_messages("cold", base_prompt), output_len)
 
         await asyncio.gather(*(one(o) for o in offsets))
-
-
-def planned_cache(lengths: list[int], n: int) -> int:
-    return len(lengths) * (n + 2 * n + n + 1)
 
 
 async def run_cache(ctx: Ctx, lengths: list[int], n: int, max_tokens: int, seed: int) -> None:
