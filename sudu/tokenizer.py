@@ -18,7 +18,9 @@ ids into text pieces without re-decoding the whole output each step.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -292,7 +294,7 @@ class Tokenizer:
                                           _field(reader, "tokenizer.ggml.pre"))
             add_bos_default = False
         elif kind == "llama" and arch in ("gemma", "gemma2", "gemma3"):
-            backend = _gemma_backend(tokens)
+            backend = _cached_backend(("gemma", tokens, token_types), lambda: _gemma_backend(tokens))
             add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless told otherwise
         else:
             raise SuduError(f"GGUF tokenizer {kind!r} for architecture {arch!r} is not supported "
@@ -339,6 +341,34 @@ class Tokenizer:
         add_bos = bool(tok_cfg.get("add_bos_token", backend.post_processor is not None and bos is not None))
         return cls(backend, bos_token_id=bos, eos_token_ids=stops, pad_token_id=token_id("pad_token"),
                    chat_template=chat_template, add_bos=add_bos)
+
+
+_BACKEND_CACHE_VERSION = "1"  # bump when the way a backend is built from metadata changes
+
+
+def _cached_backend(inputs: tuple, build) -> RustTokenizer:
+    """Gemma's merges are rebuilt from a 262k-token vocabulary (~3 s); the result is cached as
+    tokenizer.json under $SUDU_HOME/tokenizers, keyed by a hash of everything the build reads."""
+    from sudu.weights.catalog import sudu_home
+
+    digest = hashlib.sha256(_BACKEND_CACHE_VERSION.encode())
+    for part in inputs:
+        digest.update(b"\x00" + json.dumps(part, ensure_ascii=False).encode())
+    path = sudu_home() / "tokenizers" / f"{digest.hexdigest()}.json"
+    if path.is_file():
+        try:
+            return RustTokenizer.from_file(str(path))
+        except Exception:  # a damaged cache entry is rebuilt below
+            path.unlink(missing_ok=True)
+    backend = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        tmp.write_text(backend.to_str())
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache only costs the rebuild next time
+        pass
+    return backend
 
 
 def _read_json(path: Path) -> dict:

@@ -84,6 +84,15 @@ def gemma_like_metadata() -> dict:
     }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sudu_home(tmp_path_factory):
+    # Gemma-style builds are cached under $SUDU_HOME; keep the user's cache out of tests.
+    home = tmp_path_factory.mktemp("sudu_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SUDU_HOME", str(home))
+        yield home
+
+
 def make(meta: dict) -> Tokenizer:
     return Tokenizer.from_gguf(SimpleNamespace(metadata=meta))
 
@@ -213,3 +222,13 @@ def test_unsupported_gguf_tokenizer():
     meta["tokenizer.ggml.model"] = "bert"
     with pytest.raises(SuduError, match="not supported"):
         make(meta)
+
+
+def test_gemma_backend_cache(sudu_home, gemma_tok):
+    cached = list((sudu_home / "tokenizers").glob("*.json"))
+    assert len(cached) == 1
+    again = make(gemma_like_metadata())
+    for text in TEXTS:
+        assert again.encode(text) == gemma_tok.encode(text)
+    cached[0].write_text("not json")  # a damaged entry is rebuilt, not fatal
+    assert make(gemma_like_metadata()).encode("hello") == gemma_tok.encode("hello")
