@@ -339,3 +339,65 @@ def test_hf_names():
     assert G.hf_name("blk.0.attn_q.bias", "qwen2") == "model.layers.0.self_attn.q_proj.bias"
     assert G.hf_name("output.weight", "llama") == "lm_head.weight"
     assert G.hf_name("rope_freqs.weight", "llama") is None
+
+
+def test_tokenizer_from_gguf_reader_or_path(tmp_path):
+    from sudu.tokenizer import Tokenizer
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "qwen2")
+    by_path, by_reader = Tokenizer.from_gguf(path), Tokenizer.from_gguf(gguf.GGUFReader(path))
+    text = "<|im_start|>hi 你好<|im_end|>"
+    assert by_path.encode(text) == by_reader.encode(text) and by_path.eos_token_ids == by_reader.eos_token_ids
+    assert by_path.chat_template == by_reader.chat_template is not None
+
+
+def _write_hf_dir(root, sharded: bool) -> dict[str, torch.Tensor]:
+    import json
+
+    from safetensors.torch import save_file
+
+    from sudu.tokenizer import Tokenizer
+
+    tiny = root / "tiny.gguf"
+    write_tiny_gguf(tiny, "qwen2")
+    hf = root / "hf"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text(Tokenizer.from_gguf(tiny).backend.to_str())
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": "{{ messages[0]['content'] }}"}))
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 259, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "eos_token_id": 258, "sliding_window": 4096}))
+    tensors = {"model.embed_tokens.weight": torch.randn(259, 8, dtype=torch.bfloat16),
+               "model.norm.weight": torch.ones(8, dtype=torch.bfloat16)}
+    if sharded:
+        save_file({"model.embed_tokens.weight": tensors["model.embed_tokens.weight"]}, str(hf / "model-00001-of-00002.safetensors"))
+        save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(hf / "model-00002-of-00002.safetensors"))
+        (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+            "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    else:
+        save_file(tensors, str(hf / "model.safetensors"))
+    return tensors
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_hf_directory_checkpoint(tmp_path, sharded):
+    expected = _write_hf_dir(tmp_path, sharded)
+    ck = load_checkpoint(str(tmp_path / "hf"), progress=False)
+    assert ck.format == "safetensors" and ck.config.architecture == "qwen2" and ck.config.attention_bias
+    assert ck.config.eos_token_id[0] == 258 and ck.tokenizer.eos_token_ids[0] == 258
+    got = dict(ck.tensors())
+    assert set(got) == set(expected) and set(ck.tensor_names()) == set(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], value.float())
+    assert ck.quantized("model.embed_tokens.weight") is None
+    assert ck.tokenizer.encode("hi") == [ord("h"), ord("i")]
+
+
+def test_hf_directory_with_missing_shard_is_one_clear_error(tmp_path):
+    _write_hf_dir(tmp_path, sharded=True)
+    (tmp_path / "hf" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(SuduError, match="missing: model-00002-of-00002.safetensors"):
+        load_checkpoint(str(tmp_path / "hf"), progress=False).state_dict()
