@@ -9,7 +9,7 @@ from sudu.errors import SuduError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sudu import generate
+    from sudu import generate, roofline
     from sudu.bench import cli as bench_cli
     from sudu.server import cli as server_cli
     from sudu.weights import catalog
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register_cli(sub)
     bench_cli.register_cli(sub)
     catalog.register_cli(sub)
+    roofline.register_cli(sub)
     return parser
 
 

@@ -1,0 +1,120 @@
+"""`sudu roofline MODEL`: how close single-stream decode comes to this machine's memory-bandwidth limit.
+
+Decode at batch 1 reads every weight once per token, so tokens/s can never beat
+    bandwidth / bytes read per token.
+This measures the bandwidth (a timed sum over a 1 GiB tensor, median of several), counts the bytes a
+decode step reads per weight format (every linear layer incl. lm_head at that format's bytes per weight,
+plus one embedding row, norms and biases; the KV cache is left out: at the short contexts measured here
+it is well under 1% of the weights), and sets next to each limit the decode tok/s sudu's engine achieves
+(greedy, ignore_eos, one stream) and the fraction of the limit.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from sudu.layers.linear import GROUP_SIZE
+
+# weight format -> (engine settings, bytes per linear weight, bytes per other parameter)
+FORMATS = {
+    "fp32": (dict(dtype="float32", quantization="none"), 4.0, 4.0),
+    "bf16": (dict(dtype="bfloat16", quantization="none"), 2.0, 2.0),
+    "int8": (dict(dtype="float32", quantization="int8"), 1.0 + 2.0 / GROUP_SIZE, 4.0),  # + float16 scale per group
+    "int4": (dict(dtype="float32", quantization="int4"), 0.5 + 4.0 / GROUP_SIZE, 4.0),  # + float16 scale and min
+}
+PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
+
+
+def measure_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 7, threads: int = 2) -> float:
+    """Read bandwidth in GB/s: median over `repeats` timed sums of a `size_bytes` float32 tensor."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t = torch.ones(size_bytes // 4)
+        t.sum()  # fault the pages in before timing
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            t.sum()
+            times.append(time.perf_counter() - t0)
+        return t.numel() * 4 / statistics.median(times) / 1e9
+    finally:
+        torch.set_num_threads(old)
+
+
+def parameter_counts(model_config) -> tuple[int, int, int]:
+    """(weights of linear layers incl. lm_head, elements of one embedding row, other parameters per step),
+    counted on a meta-device build of the network, so it holds for every architecture."""
+    from sudu.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_config)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    linear_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    other = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in linear_ids or name.endswith("embed_tokens.weight"):
+            continue
+        other += p.numel()
+    return linear, model_config.hidden_size, other
+
+
+def bytes_per_token(model_config, fmt: str) -> float:
+    _, per_linear, per_other = FORMATS[fmt]
+    linear, embed_row, other = parameter_counts(model_config)
+    return linear * per_linear + (embed_row + other) * per_other
+
+
+def measure_decode_tok_s(model: str, fmt: str, max_tokens: int = 64, threads: int = 2) -> float:
+    """Single-stream greedy decode speed of sudu's engine: (tokens - 1) / (last token - first token)."""
+    from sudu.engine.llm import LLM
+    from sudu.sampling import SamplingParams
+
+    settings, _, _ = FORMATS[fmt]
+    llm = LLM(model, progress=False, num_threads=threads, **settings)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    result = llm.generate(PROMPT + " ", params)[0]
+    m = result.metrics
+    n = len(result.token_ids)
+    return (n - 1) / (m.finished_time - m.first_token_time)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from sudu.weights.loader import load_checkpoint
+
+    torch.set_num_threads(args.threads)
+    ckpt = load_checkpoint(args.model, pull=True, progress=True)
+    bandwidth_gbs = measure_bandwidth_gbs(threads=args.threads)
+    formats = [f.strip() for f in args.formats.split(",")]
+    table = Table(title=f"decode roofline: {ckpt.path.name}, {args.threads} threads, "
+                        f"memory bandwidth {bandwidth_gbs:.1f} GB/s")
+    for col in ("format", "MB read / token", "limit tok/s", "sudu tok/s", "fraction of limit"):
+        table.add_column(col, justify="right")
+    for fmt in formats:
+        nbytes = bytes_per_token(ckpt.config, fmt)
+        limit = bandwidth_gbs * 1e9 / nbytes
+        achieved = measure_decode_tok_s(args.model, fmt, args.max_tokens, args.threads) if not args.no_measure else None
+        table.add_row(fmt, f"{nbytes / 1e6:.0f}", f"{limit:.1f}",
+                      "-" if achieved is None else f"{achieved:.1f}",
+                      "-" if achieved is None else f"{achieved / limit:.0%}")
+    Console().print(table)
+    return 0
+
+
+def register_cli(sub) -> None:
+    p = sub.add_parser("roofline", help="memory-bandwidth limit of decode per weight format vs achieved speed",
+                       description=__doc__)
+    p.add_argument("model", metavar="MODEL", help="model name or path (see `sudu models list`)")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of fp32,bf16,int8,int4")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per measurement")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-measure", action="store_true", help="print the limits only, skip the engine runs")
+    p.set_defaults(func=run)
