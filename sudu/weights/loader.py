@@ -13,7 +13,7 @@ from sudu.models.config import ModelConfig
 from sudu.tokenizer import Tokenizer
 from sudu.weights import gguf as gguf_weights
 from sudu.weights import safetensors as st_weights
-from sudu.weights.catalog import resolve_model_path
+from sudu.weights.catalog import byte_progress, resolve_model_path
 from sudu.weights.gguf import QuantizedTensor
 
 
@@ -39,7 +39,7 @@ class Checkpoint:
             yield from st_weights.iter_tensors(self.path, dtype)
             return
         total = sum(int(qt.blocks.nbytes) for qt in self._quantized.values())
-        with gguf_weights_progress(self.progress, f"loading {self.path.name}", total) as advance:
+        with byte_progress(self.progress, f"loading {self.path.name}", total) as advance:
             for name, qt in self._quantized.items():
                 yield name, gguf_weights.dequantize(qt).to(dtype)
                 advance(int(qt.blocks.nbytes))
@@ -51,12 +51,6 @@ class Checkpoint:
         """The original GGUF blocks behind a Hugging Face name; None for float tensors and safetensors."""
         qt = self._quantized.get(name)
         return None if qt is None or qt.is_float else qt
-
-
-def gguf_weights_progress(enabled: bool, label: str, total_bytes: int):
-    from sudu.weights.catalog import _byte_progress
-
-    return _byte_progress(enabled, label, total_bytes)
 
 
 def load_checkpoint(name_or_path: str, pull: bool = True, progress: bool = True) -> Checkpoint:
