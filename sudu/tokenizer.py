@@ -294,7 +294,7 @@ class Tokenizer:
                                           _field(reader, "tokenizer.ggml.pre"))
             add_bos_default = False
         elif kind == "llama" and arch in ("gemma", "gemma2", "gemma3"):
-            backend = _cached_backend(("gemma", tokens, token_types), lambda: _gemma_backend(tokens))
+            backend = _cached_backend(("gemma", tokens), lambda: _gemma_backend(tokens))
             add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless told otherwise
         else:
             raise SuduError(f"GGUF tokenizer {kind!r} for architecture {arch!r} is not supported "

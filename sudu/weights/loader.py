@@ -24,7 +24,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     format: str = "gguf"  # "gguf" or "safetensors"
     progress: bool = False
-    _reader: Any = field(default=None, repr=False)  # the memory-mapped GGUFReader; keeps blocks valid
+    _reader: Any = field(default=None, repr=False)  # the parsed GGUFFile; its memory map backs the blocks
     _quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
 
     def tensor_names(self) -> list[str]:
