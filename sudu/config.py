@@ -21,6 +21,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in the running batch
     max_num_batched_tokens: int = 512  # tokens per forward pass (prefill chunks + decodes)
     enable_prefix_caching: bool = True
+    speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
+    num_speculative_tokens: int = 4  # most draft tokens per sequence per step (adapted per sequence)
+    speculative_max_batch: int = 4  # speculation pauses while more sequences than this are decoding
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 
@@ -31,6 +34,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

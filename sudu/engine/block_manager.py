@@ -123,6 +123,15 @@ class BlockManager:
             parent = block.hash
         seq.num_hashed_blocks = max(start, num_full)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens (rejected speculative tokens)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+
     def free_sequence(self, seq: Sequence) -> None:
         # tail blocks first, so they are evicted before the (more shareable) head of the prefix
         for block_id in reversed(seq.block_table):

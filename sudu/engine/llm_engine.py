@@ -20,7 +20,8 @@ from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput,
 from sudu.engine.scheduler import Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
-from sudu.layers.sampler import Sampler, SamplingRow
+from sudu.engine.speculative import SpecController, build_drafter, verify_draft
+from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,12 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(ckpt.config.eos_token_id)
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.drafter = None
+        if config.speculative != "none":
+            self.drafter = build_drafter(config.speculative, self)
+            self.spec_controller = SpecController(config.num_speculative_tokens, config.speculative_max_batch)
         log.info(
             "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens",
             ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size,
@@ -141,6 +148,7 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
+                self._release_spec(seq)
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
                 state.pending.append(self._take_delta(seq))
@@ -152,34 +160,101 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {rid: s for rid, s in self.requests.items() if s.pending}
         scheduled = self.scheduler.schedule()
-        if scheduled:
-            now = time.perf_counter()
-            for s in scheduled:
-                m = self.requests[s.seq.request_id].metrics
-                if m.first_scheduled_time is None:
-                    m.first_scheduled_time = now
-            logits = self.runner.execute(scheduled)
-            self.num_steps += 1
-            sampling = []
-            for s in scheduled:
-                if s.samples:
-                    sampling.append(s.seq)
-                self.num_computed_tokens += s.num_new_tokens
+        if not scheduled:
+            return [self._make_output(state) for state in touched.values()]
+        now = time.perf_counter()
+        for s in scheduled:
+            m = self.requests[s.seq.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        drafts = self._draft(scheduled) if self.drafter is not None else {}
+        logits = self.runner.execute(scheduled)
+        self.num_steps += 1
+        plain, plain_rows, speculated = [], [], []
+        row = 0
+        for s in scheduled:
+            if s.samples:
+                if s.draft_token_ids:
+                    speculated.append((s, logits[row:row + s.num_logit_rows]))
+                else:
+                    plain.append(s.seq)
+                    plain_rows.append(row)
+                row += s.num_logit_rows
+            self.num_computed_tokens += s.num_new_tokens
+            if not s.draft_token_ids:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 self.block_manager.commit(s.seq)
-            rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, q.generator) for q in sampling]
-            sampled = self.sampler(logits, rows) if sampling else []
-            now = time.perf_counter()
-            for seq, tok in zip(sampling, sampled):
-                state = self.requests[seq.request_id]
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                if seq.index == 0 and seq.num_output_tokens == 0:
-                    for sibling in state.seqs[1:]:
-                        sibling.held_back = False
-                self._append_token(seq, tok)
-                touched[seq.request_id] = state
+        rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, q.generator) for q in plain]
+        sampled = self.sampler(logits[plain_rows], rows) if plain else []
+        now = time.perf_counter()
+        for seq, tok in zip(plain, sampled):
+            state = self._first_token(seq, now)
+            self._append_token(seq, tok)
+            touched[seq.request_id] = state
+        for s, seq_logits in speculated:
+            state = self._first_token(s.seq, now)
+            self._accept_speculated(s, seq_logits, drafts[s.seq.seq_id], state)
+            touched[s.seq.request_id] = state
         return [self._make_output(state) for state in touched.values()]
+
+    def _first_token(self, seq: Sequence, now: float) -> RequestState:
+        state = self.requests[seq.request_id]
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        if seq.index == 0 and seq.num_output_tokens == 0:
+            for sibling in state.seqs[1:]:
+                sibling.held_back = False
+        return state
+
+    def _draft(self, scheduled: list) -> dict:
+        """Give decoding sequences draft tokens to verify in this step's forward pass."""
+        decoding = [s for s in scheduled if s.samples and s.num_new_tokens == 1 and s.seq.num_output_tokens > 0]
+        if not decoding or not self.spec_controller.active(len(self.scheduler.running)):
+            return {}
+        spare = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        ks = []
+        for s in decoding:
+            k = min(self.spec_controller.draft_len(s.seq), max(spare, 0))
+            spare -= k
+            ks.append(k)
+        proposals = self.drafter.propose([s.seq for s in decoding], ks)
+        drafts = {}
+        for s, d in zip(decoding, proposals):
+            if d.token_ids and self.block_manager.can_allocate(s.seq, 1 + len(d.token_ids)):
+                self.block_manager.allocate(s.seq, 1 + len(d.token_ids))
+                s.num_new_tokens = 1 + len(d.token_ids)
+                s.draft_token_ids = d.token_ids
+                drafts[s.seq.seq_id] = d
+        return drafts
+
+    def _accept_speculated(self, s, seq_logits: torch.Tensor, draft, state: RequestState) -> None:
+        seq = s.seq
+        row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+        accepted = verify_draft(seq_logits, draft, row, seq.generator or self.sampler.shared_generator)
+        num_drafted, num_accepted = len(draft.token_ids), len(accepted) - 1
+        m = state.metrics
+        m.num_draft_tokens += num_drafted
+        m.num_accepted_tokens += num_accepted
+        m.num_spec_steps += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        self.spec_controller.update(seq, num_drafted, num_accepted)
+        computed_before = seq.num_computed_tokens
+        raw = torch.log_softmax(seq_logits, -1) if seq.params.logprobs is not None else None
+        for i, token in enumerate(accepted):
+            tok = SampledToken(token)
+            if raw is not None:
+                tok.logprob = float(raw[i, token])
+                if seq.params.logprobs:
+                    top = torch.topk(raw[i], seq.params.logprobs)
+                    tok.top = list(zip(top.indices.tolist(), top.values.tolist()))
+            self._append_token(seq, tok)
+            if seq.is_finished:
+                return
+        # the last token and the accepted drafts now have valid KV; the rejected drafts' slots are dead
+        seq.num_computed_tokens = computed_before + len(accepted)
+        self.block_manager.trim(seq, seq.num_tokens)
+        self.block_manager.commit(seq)
 
     def _append_token(self, seq: Sequence, tok) -> None:
         p = seq.params
@@ -215,6 +290,12 @@ class LLMEngine:
         seq.pending_text = ""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        self._release_spec(seq)
+
+    def _release_spec(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.release(seq)
+            self.spec_controller.release(seq)
 
     def _take_delta(self, seq: Sequence) -> CompletionOutput:
         out = CompletionOutput(
@@ -254,6 +335,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
         }
 
 

@@ -32,6 +32,11 @@ def available_memory_bytes() -> int:
     return 8 << 30
 
 
+def kv_bytes_per_token(model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    c = model_cfg
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(dtype).bits // 8
+
+
 def load_network(model_cfg: ModelConfig, tensors, dtype: torch.dtype) -> torch.nn.Module:
     """Build the network without initialising its weights, then take the checkpoint's tensors."""
     with torch.device("meta"):
@@ -68,8 +73,7 @@ class ModelRunner:
         ]
 
     def kv_bytes_per_token(self) -> int:
-        c = self.model_cfg
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+        return kv_bytes_per_token(self.model_cfg, self.dtype)
 
     def _num_blocks(self, max_model_len: int) -> int:
         budget = self.config.kv_cache_memory
@@ -84,7 +88,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled) -> torch.Tensor:
-        """scheduled: list of ScheduledSeq. Returns float32 logits [num sampling seqs, vocab], in order."""
+        """scheduled: list of ScheduledSeq. Returns float32 logits of the rows each sequence needs
+        (ScheduledSeq.num_logit_rows), concatenated in order."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -95,15 +100,15 @@ class ModelRunner:
         for s in scheduled:
             seq = s.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start:end - len(s.draft_token_ids)])
+            ids.extend(s.draft_token_ids)
             positions.extend(range(start, end))
             q_lens.append(s.num_new_tokens)
             table = torch.tensor(seq.block_table, dtype=torch.long)
             pos = torch.arange(end)
             ctx_slots.append(table[pos // bs] * bs + pos % bs)
             row += s.num_new_tokens
-            if s.samples:
-                sample_rows.append(row - 1)
+            sample_rows.extend(range(row - s.num_logit_rows, row))
         meta = build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window)
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta)
         if not sample_rows:

@@ -10,7 +10,7 @@ likely still in the prefix cache).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sudu.engine.block_manager import BlockManager
 from sudu.engine.sequence import Sequence, SequenceStatus
@@ -20,11 +20,17 @@ from sudu.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens after the last one
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so this step yields its next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """The chunk reaches the sequence's last token, so this step yields its next token(s)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits this sequence needs: the last token's, plus one per draft token to verify."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
 class Scheduler:

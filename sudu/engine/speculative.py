@@ -1,0 +1,246 @@
+"""Speculative decoding: drafters that propose tokens cheaply, and the lossless check of those tokens
+against the target model's distribution.
+
+Drafters:
+- NgramDrafter: prompt lookup. Finds the latest earlier occurrence of the sequence's last n tokens
+  (n from max_n down to min_n, searching prompt and output) and proposes what followed it. No model.
+- DraftModelDrafter: a smaller model with the same tokenizer, with its own KV pool and a shadow sequence
+  per target sequence that is rolled back to the tokens the target kept.
+
+Verification (verify_draft): greedy accepts a draft token while it equals the target's argmax, then
+appends the target's own token, so the output is identical to plain greedy decoding. With temperature
+it is exact rejection sampling: accept d with probability min(1, p(d)/q(d)), otherwise draw from the
+normalised max(0, p - q); after all drafts pass, draw a bonus token from p. (An n-gram draft is a point
+mass, q = one-hot.) p is the distribution plain sampling would use: penalties, temperature, top-k,
+top-p and min-p applied, so the sampled output keeps exactly that distribution.
+
+SpecController keeps each sequence's draft length adaptive (grow after a full accept, shrink to what
+was accepted after a rejection) and turns speculation off while the batch is larger than
+`speculative_max_batch`, where verifying drafts costs more than it saves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sudu.engine.block_manager import BlockManager
+from sudu.engine.scheduler import ScheduledSeq
+from sudu.engine.sequence import Sequence
+from sudu.errors import SuduError
+from sudu.layers.sampler import SamplingRow, apply_penalties, filter_logits
+
+
+@dataclass
+class Draft:
+    token_ids: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [len, vocab] draft distribution; None -> point masses (n-gram)
+
+
+def _needs_penalties(row: SamplingRow) -> bool:
+    p = row.params
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def target_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """The distribution plain sampling draws from for this row (temperature > 0)."""
+    if _needs_penalties(row):
+        logits = apply_penalties(logits.clone(), row)
+    return filter_logits(logits, row.params).softmax(-1)
+
+
+def verify_draft(logits: torch.Tensor, draft: Draft, row: SamplingRow, generator: torch.Generator) -> list[int]:
+    """logits: [len(draft) + 1, vocab] target logits at the last token and at each draft token.
+    Returns the accepted draft prefix followed by one token chosen by the target."""
+    m = len(draft.token_ids)
+    history = list(row.output_token_ids)
+    out: list[int] = []
+    for i in range(m + 1):
+        cur = SamplingRow(row.params, row.prompt_token_ids, history, None)
+        if row.params.greedy:
+            lg = apply_penalties(logits[i].clone(), cur) if _needs_penalties(cur) else logits[i]
+            token = int(lg.argmax())
+            out.append(token)
+            if i < m and token == draft.token_ids[i]:
+                history.append(token)
+                continue
+            return out
+        p = target_distribution(logits[i], cur)
+        if i == m:
+            out.append(int(torch.multinomial(p, 1, generator=generator)))
+            return out
+        d = draft.token_ids[i]
+        if draft.probs is None:
+            q = torch.zeros_like(p)
+            q[d] = 1.0
+        else:
+            q = draft.probs[i]
+        accept_prob = min(1.0, float(p[d]) / max(float(q[d]), 1e-30))
+        if float(torch.rand((), generator=generator)) < accept_prob:
+            out.append(d)
+            history.append(d)
+            continue
+        residual = (p - q).clamp_min(0.0)
+        total = float(residual.sum())
+        residual = residual / total if total > 0 else p
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    return out
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting. Each sequence keeps an index from n-gram to the position right after its
+    latest occurrence, updated incrementally as tokens arrive."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+        self.index: dict[int, tuple[int, dict]] = {}  # seq_id -> (tokens indexed so far, n-gram -> next pos)
+
+    def _update(self, seq: Sequence) -> dict:
+        indexed, table = self.index.get(seq.seq_id, (0, {}))
+        toks = seq.token_ids
+        # index n-grams ending before the last token, so a lookup of the tail never finds itself
+        for end in range(max(indexed, 1), len(toks)):
+            for n in range(self.min_n, self.max_n + 1):
+                if end - n >= 0:
+                    table[tuple(toks[end - n:end])] = end
+        self.index[seq.seq_id] = (max(indexed, len(toks)), table)
+        return table
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            table = self._update(seq)
+            toks = seq.token_ids
+            proposal: list[int] = []
+            for n in range(self.max_n, self.min_n - 1, -1):
+                if len(toks) < n:
+                    continue
+                nxt = table.get(tuple(toks[-n:]))
+                if nxt is not None:
+                    proposal = toks[nxt:nxt + k]
+                    break
+            drafts.append(Draft(proposal))
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        self.index.pop(seq.seq_id, None)
+
+
+class DraftModelDrafter:
+    """A small model proposing tokens autoregressively for a larger one with the same tokenizer."""
+
+    def __init__(self, model: str, target_tokenizer, target_config, engine_config, target_pool_tokens: int):
+        import dataclasses
+
+        from sudu.engine.model_runner import DTYPES, ModelRunner, kv_bytes_per_token, load_network
+        from sudu.weights.loader import load_checkpoint
+
+        ckpt = load_checkpoint(model, pull=True, progress=True)
+        if ckpt.tokenizer.backend.get_vocab() != target_tokenizer.backend.get_vocab():
+            raise SuduError(f"draft model {model!r} has a different tokenizer from the target; "
+                            "speculative decoding needs identical vocabularies")
+        self.vocab_size = target_config.vocab_size
+        dtype = DTYPES[engine_config.dtype]
+        net = load_network(ckpt.config, ckpt.tensors(dtype), dtype)
+        if engine_config.quantization != "none":
+            from sudu.layers.linear import quantize_model
+
+            quantize_model(net, ckpt, engine_config.quantization)
+        max_len = min(ckpt.config.max_position_embeddings, target_config.max_position_embeddings)
+        # room to shadow every token the target's pool can hold, plus the drafts in flight
+        pool_bytes = (target_pool_tokens + 64 * engine_config.block_size) * kv_bytes_per_token(ckpt.config, dtype)
+        cfg = dataclasses.replace(engine_config, model=model, kv_cache_memory=pool_bytes)
+        self.runner = ModelRunner(cfg, ckpt.config, net, max_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_prefix_caching=False)
+        self.shadows: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (shadow, target length at last sync)
+        self.generator = torch.Generator().manual_seed(engine_config.seed + 1)
+        self.num_draft_steps = 0
+
+    def _sync(self, seq: Sequence) -> Sequence:
+        entry = self.shadows.get(seq.seq_id)
+        if entry is None:
+            sh = Sequence(seq.request_id, seq.index, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
+                          0, 0.0, max_total_tokens=seq.max_total_tokens)
+        else:
+            sh, synced = entry
+            # the shadow holds the target's tokens as of the last sync plus its own drafts; keep the KV
+            # of whatever the target kept
+            common = synced
+            limit = min(len(sh.token_ids), len(seq.token_ids))
+            while common < limit and sh.token_ids[common] == seq.token_ids[common]:
+                common += 1
+            sh.num_computed_tokens = min(sh.num_computed_tokens, common)
+            sh.token_ids = list(seq.token_ids)
+            self.block_manager.trim(sh, max(sh.num_computed_tokens, 1))
+        self.shadows[seq.seq_id] = (sh, len(seq.token_ids))
+        return sh
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        bm = self.block_manager
+        shadows, budgets = [], []
+        for seq, k in zip(seqs, ks):
+            sh = self._sync(seq)
+            if k > 0 and bm.can_allocate(sh, sh.num_uncomputed_tokens + k - 1):
+                bm.allocate(sh, sh.num_uncomputed_tokens + k - 1)
+            else:
+                k = 0
+            shadows.append(sh)
+            budgets.append(k)
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for r in range(max(budgets, default=0)):
+            live = [i for i, k in enumerate(budgets) if k > r]
+            batch = [ScheduledSeq(shadows[i], shadows[i].num_uncomputed_tokens) for i in live]
+            logits = self.runner.execute(batch)[:, : self.vocab_size]
+            self.num_draft_steps += 1
+            for j, i in enumerate(live):
+                sh = shadows[i]
+                sh.num_computed_tokens = sh.num_tokens
+                row = SamplingRow(sh.params, sh.prompt_token_ids, sh.output_token_ids, None)
+                if sh.params.greedy:
+                    token = int(logits[j].argmax())
+                else:
+                    q = target_distribution(logits[j], row)
+                    token = int(torch.multinomial(q, 1, generator=self.generator))
+                    probs[i].append(q)
+                sh.token_ids.append(token)
+                tokens[i].append(token)
+        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def release(self, seq: Sequence) -> None:
+        entry = self.shadows.pop(seq.seq_id, None)
+        if entry is not None:
+            self.block_manager.free_sequence(entry[0])
+
+
+class SpecController:
+    """Per-sequence adaptive draft length and the batch-size switch."""
+
+    def __init__(self, max_tokens: int, max_batch: int):
+        self.max_tokens = max_tokens
+        self.max_batch = max_batch
+        self.k: dict[int, int] = {}
+
+    def active(self, batch_size: int) -> bool:
+        return batch_size <= self.max_batch
+
+    def draft_len(self, seq: Sequence) -> int:
+        room = seq.max_total_tokens - seq.num_tokens - 1  # the target always adds one token of its own
+        return max(0, min(self.k.get(seq.seq_id, self.max_tokens), room))
+
+    def update(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        k = self.k.get(seq.seq_id, self.max_tokens)
+        self.k[seq.seq_id] = min(self.max_tokens, k + 1) if num_accepted == num_drafted else max(1, num_accepted + 1)
+
+    def release(self, seq: Sequence) -> None:
+        self.k.pop(seq.seq_id, None)
+
+
+def build_drafter(spec: str, engine) -> NgramDrafter | DraftModelDrafter:
+    if spec == "ngram":
+        return NgramDrafter()
+    if spec.startswith("draft:") and spec[6:]:
+        return DraftModelDrafter(spec[6:], engine.tokenizer, engine.model_config, engine.config,
+                                 engine.runner.num_blocks * engine.config.block_size)
+    raise SuduError(f"unknown --speculative {spec!r}; use ngram or draft:MODEL")

@@ -1,0 +1,195 @@
+"""Speculative decoding is lossless: greedy output identical to plain decoding for both drafters at
+batch 1 and 8; sampled output keeps the target distribution (chi-square over >= 10,000 samples);
+rollback returns every block."""
+import math
+import random
+
+import pytest
+import torch
+
+from sudu.engine.llm import LLM
+from sudu.engine.speculative import Draft, NgramDrafter, verify_draft
+from sudu.engine.sequence import Sequence
+from sudu.errors import SuduError
+from sudu.layers.sampler import SamplingRow
+from sudu.sampling import SamplingParams
+from tests.tiny_models import save_tiny_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper quantile of chi-square (Wilson-Hilferty); z = 3.09 is the 0.999 quantile of N(0, 1)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    n = counts.sum()
+    expected = probs * n
+    keep = expected >= 5
+    stat = float((((counts - expected) ** 2) / expected)[keep].sum())
+    return stat, int(keep.sum()) - 1
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A second tiny qwen2 with the same tokenizer and different weights: a draft that is often wrong."""
+    return save_tiny_model(tmp_path_factory.mktemp("draft") / "qwen2-draft", "qwen2", seed=5)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dirs, draft_dir):
+    target = str(tiny_model_dirs["qwen2"])
+    cache = {}
+
+    def get(spec="none", **cfg):
+        key = (spec, tuple(sorted(cfg.items())))
+        if key not in cache:
+            spec_arg = {"none": "none", "ngram": "ngram", "draft": f"draft:{draft_dir}", "self": f"draft:{target}"}[spec]
+            cache[key] = LLM(target, progress=False, speculative=spec_arg, **cfg)
+        return cache[key]
+
+    return get
+
+
+def prompts(n, seed):
+    g = random.Random(seed)
+    out = []
+    for i in range(n):
+        base = [g.randrange(380) for _ in range(g.randrange(3, 12))]
+        out.append(base * g.randrange(1, 4))  # repetition gives the n-gram drafter something to find
+    return out
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft", "self"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_identical_with_speculation(engines, spec, batch):
+    ps = prompts(50, seed=batch)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    plain = [r.token_ids for r in engines().generate(ps, params)]
+    llm = engines(spec, speculative_max_batch=64)
+    got = []
+    for i in range(0, len(ps), batch):
+        got += [r.token_ids for r in llm.generate(ps[i:i + batch], params)]
+    assert got == plain
+    eng = llm.engine
+    assert eng.num_draft_tokens > 0  # speculation really ran
+    if spec == "self":
+        assert eng.num_accepted_tokens == eng.num_draft_tokens  # a model agrees with itself
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_acceptance_is_reported_per_request(engines):
+    llm = engines("ngram", speculative_max_batch=64)
+    r = llm.generate([prompts(1, 3)[0]], SamplingParams(max_tokens=30, **GREEDY))[0]
+    m = r.metrics
+    assert m.num_spec_steps > 0 and m.num_draft_tokens > 0
+    assert 0.0 <= m.acceptance_rate <= 1.0
+    assert 1.0 <= m.mean_accepted_len <= 1 + llm.engine.config.num_speculative_tokens
+
+
+def test_speculation_pauses_above_max_batch(engines):
+    llm = engines("ngram", speculative_max_batch=2)
+    before = llm.engine.num_draft_tokens
+    llm.generate(prompts(8, 4), SamplingParams(max_tokens=4, **GREEDY))
+    assert llm.engine.num_draft_tokens == before  # 8 decoding > 2: never speculated
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """verify_draft's first token, with drafts drawn from q, is distributed as p (20,000 samples)."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 12
+    logits = torch.randn(3, vocab, generator=g) * 2
+    q = torch.softmax(torch.randn(2, vocab, generator=g) * 2, -1)
+    params = SamplingParams(temperature=1.0)
+    row = SamplingRow(params, [1, 2], [], None)
+    p = torch.softmax(logits[0], -1)
+    counts = torch.zeros(vocab)
+    for _ in range(20000):
+        d = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        out = verify_draft(logits, Draft(d, q), row, g)
+        counts[out[0]] += 1
+    stat, df = chi2_stat(counts, p)
+    assert stat < chi2_critical(df), (stat, df)
+    # a point-mass draft (n-gram) too
+    counts.zero_()
+    for _ in range(20000):
+        out = verify_draft(logits, Draft([3, 5]), row, g)
+        counts[out[0]] += 1
+    stat, df = chi2_stat(counts, p)
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_speculative_sampling_matches_plain_sampling_distribution(engines):
+    """Engine level: the second generated token's distribution with a draft model equals the exact
+    marginal computed from the target's logits (top_k=8, 10,000 samples)."""
+    plain = engines()
+    spec = engines("draft", speculative_max_batch=100000, max_num_seqs=256, max_num_batched_tokens=100000)
+    prompt = prompts(1, 9)[0]
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=3, ignore_eos=True)
+    # exact marginal of token 2: sum over token 1 of p(t1) p(t2 | t1), through the engine's own forward
+    first = plain.generate([prompt], SamplingParams(max_tokens=1, logprobs=8, **GREEDY))[0].outputs[0].logprobs[0]
+    marginal = torch.zeros(plain.engine.model_config.vocab_size)
+    top1 = torch.tensor([lp for _, _, lp in first.top]).softmax(-1)
+    for (t1, _, _), p1 in zip(first.top, top1):
+        nxt = plain.generate([prompt + [t1]], SamplingParams(max_tokens=1, logprobs=8, **GREEDY))[0]
+        lp2 = nxt.outputs[0].logprobs[0]
+        p2 = torch.tensor([lp for _, _, lp in lp2.top]).softmax(-1)
+        for (t2, _, _), pr in zip(lp2.top, p2):
+            marginal[t2] += float(p1 * pr)
+    results = spec.generate([prompt] * 10000, params)
+    counts = torch.zeros_like(marginal)
+    for r in results:
+        counts[r.token_ids[1]] += 1
+    assert spec.engine.num_draft_tokens > 1000
+    stat, df = chi2_stat(counts, marginal)
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_stress_with_speculation_returns_every_block(engines):
+    llm = engines("draft", speculative_max_batch=64, kv_cache_memory=64 * 16 * 512, max_num_seqs=16)
+    eng = llm.engine
+    rng = random.Random(21)
+    live, done = set(), 0
+    for i in range(300):
+        params = SamplingParams(n=rng.choice([1, 2]), temperature=rng.choice([0.0, 1.0]),
+                                max_tokens=rng.randrange(1, 20), seed=i)
+        eng.add_request(f"r{i}", prompts(1, 100 + i)[0], params)
+        live.add(f"r{i}")
+        if i % 3 == 0:
+            for out in eng.step():
+                if out.finished:
+                    live.discard(out.request_id)
+                    done += 1
+        if rng.random() < 0.1 and live:
+            eng.abort(rng.choice(sorted(live)))
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+                done += 1
+    assert done == 300 and not live
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.drafter.block_manager.num_free_blocks == eng.drafter.block_manager.num_blocks
+    assert not eng.drafter.shadows
+
+
+def test_ngram_drafter_proposes_the_continuation_of_the_latest_match():
+    seq = Sequence("r", 0, [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 3, 5, 6, 7], 3, SamplingParams(), 0, 0.0, 100)
+    d = NgramDrafter(min_n=2, max_n=3).propose([seq], [3])[0]
+    assert d.token_ids == [9, 3, 5]  # the latest earlier "5 6 7" was followed by 9 3 5
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_model_dirs, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dirs["qwen2"], other)
+    tj = json.loads((other / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = list(vocab)[100], list(vocab)[101]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(SuduError, match="different tokenizer"):
+        LLM(str(tiny_model_dirs["qwen2"]), progress=False, speculative=f"draft:{other}")
