@@ -354,3 +354,21 @@ def test_stream_with_n_choices(client):
              for i in range(3)]
     assert texts[0] == texts[1] == texts[2] != ""
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+
+
+def test_speculative_acceptance_in_timing_extension_and_metrics(tiny_model_dirs):
+    from sudu.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig(model=str(tiny_model_dirs["llama"]), max_model_len=MAX_MODEL_LEN,
+                          kv_cache_memory=8 << 20, speculative="ngram")
+    engine = AsyncLLMEngine(config)
+    with LiveServer(build_app(engine, served_model_name=MODEL)) as server:
+        body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9] * 6, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        timing = r.json()["sudu"]
+        assert timing["num_draft_tokens"] > 0
+        assert timing["acceptance_rate"] == round(timing["num_accepted_tokens"] / timing["num_draft_tokens"], 4)
+        metrics = httpx.get(server.url + "/metrics").text
+        assert f"sudu:spec_decode_num_draft_tokens_total {float(timing['num_draft_tokens'])}" in metrics

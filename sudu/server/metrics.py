@@ -34,6 +34,8 @@ class _EngineStatsCollector(Collector):
         for name, key, doc in (
             ("sudu:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             ("sudu:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            ("sudu:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Speculative tokens proposed."),
+            ("sudu:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Speculative tokens accepted."),
         ):
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
 
