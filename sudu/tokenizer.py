@@ -6,9 +6,10 @@ converter produces, so ids are identical to `AutoTokenizer.from_pretrained(dir, 
 
 - `tokenizer.ggml.model == "gpt2"`: byte-level BPE over the file's vocabulary and merges, split first
   by the pre-tokenizer regex named in `tokenizer.ggml.pre` (qwen2, llama3, ...).
-- `tokenizer.ggml.model == "llama"` with a Gemma architecture: SentencePiece-style BPE with byte
-  fallback and `▁` for spaces; Gemma files carry no merges, so they are rebuilt from the vocabulary
-  in the order tokens appear in the file (Gemma's scores do not follow its merge order).
+- `tokenizer.ggml.model == "llama"`: SentencePiece-style BPE with byte fallback and `▁` for spaces;
+  the files carry no merges, so they are rebuilt from the vocabulary, ranked by token score (Llama 2
+  style) or, for Gemma, by the order tokens appear in the file (Gemma's scores do not follow its
+  merge order; Gemma also writes spaces as themselves instead of a "▁" prefix).
 - Tokens the file marks CONTROL become special added tokens, USER_DEFINED ones plain added tokens,
   so `<|im_start|>` or `<start_of_turn>` in text stays one token.
 
@@ -120,33 +121,41 @@ def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -
     return backend
 
 
-def _merges_from_vocab(tokens: list[str], rank: dict[str, int]) -> list[tuple[str, str]]:
-    """BPE merges implied by a vocabulary: every split of a token into two vocabulary tokens, ordered by
-    the rank of the merged token (lower first), then longer left and right pieces first."""
+def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two vocabulary
+    tokens, highest-priority merged token first, then longer left and right pieces first."""
     candidates = []
-    for token, token_rank in rank.items():
-        local = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in rank and token[i:] in rank]
-        local.sort(key=lambda lr: (rank[lr[0]], rank[lr[1]]))
-        candidates.extend((left, right, token_rank) for left, right in local)
-    candidates.sort(key=lambda c: (-c[2], len(c[0]), len(c[1])), reverse=True)
+    for token, token_priority in priority.items():
+        local = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        candidates.extend((left, right, token_priority) for left, right in local)
+    candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
     return [(left, right) for left, right, _ in candidates]
 
 
 def _gemma_backend(tokens: list[str]) -> RustTokenizer:
     # Gemma files store tokens made only of spaces as real spaces; the model looks them up as "▁".
     tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab: dict[str, int] = {}
-    rank: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab[token] = index
-        # The merge order is the order tokens appear in the file; a duplicate keeps its last position,
-        # like the vocabulary does, but its first place in iteration order.
-        rank[token] = index
-    backend = RustTokenizer(models.BPE(vocab=vocab, merges=_merges_from_vocab(tokens, rank), fuse_unk=True,
+    vocab = {token: index for index, token in enumerate(tokens)}
+    # Gemma's scores do not follow its merge order; the order tokens appear in the file does.
+    position = {token: -index for index, token in enumerate(tokens)}
+    backend = RustTokenizer(models.BPE(vocab=vocab, merges=_merges_from_vocab(vocab, position), fuse_unk=True,
                                        unk_token="<unk>", dropout=None, byte_fallback=True))
     backend.normalizer = normalizers.Replace(" ", "▁")
     backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+def _sentencepiece_backend(tokens: list[str], scores: list[float]) -> RustTokenizer:
+    """Llama-2-style SentencePiece: merges ranked by token score, "▁" prepended to the first word only,
+    byte fallback, and the prefix space stripped again when decoding."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    backend = RustTokenizer(models.BPE(vocab=vocab, merges=_merges_from_vocab(vocab, dict(zip(tokens, scores))),
+                                       fuse_unk=True, byte_fallback=True, dropout=None))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
     return backend
 
 
@@ -296,9 +305,13 @@ class Tokenizer:
         elif kind == "llama" and arch in ("gemma", "gemma2", "gemma3"):
             backend = _cached_backend(("gemma", tokens), lambda: _gemma_backend(tokens))
             add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless told otherwise
+        elif kind == "llama":
+            scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+            backend = _cached_backend(("spm", tokens, scores), lambda: _sentencepiece_backend(tokens, scores))
+            add_bos_default = True
         else:
             raise SuduError(f"GGUF tokenizer {kind!r} for architecture {arch!r} is not supported "
-                            "(sudu reads byte-level BPE and Gemma's SentencePiece vocabulary)")
+                            "(sudu reads byte-level BPE and SentencePiece vocabularies)")
         _add_marked_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
         add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default))
         bos = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -343,12 +356,12 @@ class Tokenizer:
                    chat_template=chat_template, add_bos=add_bos)
 
 
-_BACKEND_CACHE_VERSION = "1"  # bump when the way a backend is built from metadata changes
+_BACKEND_CACHE_VERSION = "2"  # bump when the way a backend is built from metadata changes
 
 
 def _cached_backend(inputs: tuple, build) -> RustTokenizer:
-    """Gemma's merges are rebuilt from a 262k-token vocabulary (~3 s); the result is cached as
-    tokenizer.json under $SUDU_HOME/tokenizers, keyed by a hash of everything the build reads."""
+    """SentencePiece merges are rebuilt from the vocabulary (~3 s for Gemma's 262k tokens); the result is
+    cached as tokenizer.json under $SUDU_HOME/tokenizers, keyed by a hash of everything the build reads."""
     from sudu.weights.catalog import sudu_home
 
     digest = hashlib.sha256(_BACKEND_CACHE_VERSION.encode())

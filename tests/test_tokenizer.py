@@ -232,3 +232,65 @@ def test_gemma_backend_cache(sudu_home, gemma_tok):
         assert again.encode(text) == gemma_tok.encode(text)
     cached[0].write_text("not json")  # a damaged entry is rebuilt, not fatal
     assert make(gemma_like_metadata()).encode("hello") == gemma_tok.encode("hello")
+
+
+def spm_metadata() -> dict:
+    """A Llama-2-style SentencePiece vocabulary: merges follow the scores, "▁" marks word starts."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "a", "b", "▁h", "he", "ll", "llo", "hello", "▁hello", "wo", "rl",
+             "orl", "world", "▁w", "▁world", "ab", "▁a", "▁ab"]
+    tokens += words
+    types += [1] * len(words)
+    scores += [-float(i) for i in range(len(words))]
+    return {
+        "general.architecture": "llama",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+
+
+def _write_tokenizer_gguf(path, meta: dict) -> None:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), meta["general.architecture"])
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    if "tokenizer.ggml.pre" in meta:
+        w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.scores" in meta:
+        w.add_token_scores(meta["tokenizer.ggml.scores"])
+    if "tokenizer.ggml.merges" in meta:
+        w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])
+    w.add_tensor("token_embd.weight", np.zeros((len(meta["tokenizer.ggml.tokens"]), 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("build", [byte_level_metadata, gemma_like_metadata, spm_metadata])
+def test_tiny_vocabularies_match_transformers(tmp_path, build):
+    transformers = pytest.importorskip("transformers")
+    meta = build()
+    path = tmp_path / "tok.gguf"
+    _write_tokenizer_gguf(path, meta)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    tok = Tokenizer.from_gguf(path)
+    texts = TEXTS + ["hello world", " hello  world ", "ab ab\nab", "helloworld", "<s>hello</s>", "  ", "\n\nhello"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == hf.encode(text), text
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
