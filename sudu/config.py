@@ -20,6 +20,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None -> the model's context length, at most 32768
     max_num_seqs: int = 64  # sequences in the running batch
     max_num_batched_tokens: int = 512  # tokens per forward pass (prefill chunks + decodes)
+    prefill_chunk_when_decoding: int = 48  # prompt tokens per step while others decode (bounds their ITL)
     enable_prefix_caching: bool = True
     speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
     num_speculative_tokens: int = 4  # most draft tokens per sequence per step (adapted per sequence)

@@ -220,3 +220,30 @@ def test_randomized_stress_returns_every_block(llms):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
     assert not eng.scheduler.running and not eng.scheduler.waiting
+
+
+def test_long_prompt_advances_in_small_chunks_while_others_decode(llms):
+    """Long/short mixing: while streams decode, a long prompt gets at most prefill_chunk_when_decoding
+    tokens a step, so each step stays short and every decoder advances; alone it takes the full budget."""
+    llm = llms(max_num_batched_tokens=256, prefill_chunk_when_decoding=32)
+    eng = llm.engine
+    for i, p in enumerate(prompts_of([8, 9, 10, 11], seed=13)):
+        eng.add_request(f"d{i}", p, SamplingParams(max_tokens=40, **GREEDY))
+    eng.step()  # the four short prompts' prefill
+    eng.add_request("long", prompts_of([300], seed=14)[0], SamplingParams(max_tokens=1, **GREEDY))
+    long_seq = eng.requests["long"].seqs[0]
+    chunks = []
+    for _ in range(5):
+        before = long_seq.num_computed_tokens
+        outs = eng.step()
+        chunks.append(long_seq.num_computed_tokens - before)
+        assert {o.request_id for o in outs if o.outputs} >= {f"d{i}" for i in range(4)}
+    assert chunks == [32] * 5
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request("alone", prompts_of([300], seed=15)[0], SamplingParams(max_tokens=1, **GREEDY))
+    alone = eng.requests["alone"].seqs[0]
+    eng.step()
+    assert alone.num_computed_tokens == 256
+    while eng.has_unfinished():
+        eng.step()

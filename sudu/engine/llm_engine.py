@@ -63,7 +63,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_chunk_when_decoding)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(ckpt.config.eos_token_id)

@@ -34,10 +34,14 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_chunk_when_decoding: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # while some sequences are decoding, prompts advance by at most this many tokens a step, so a
+        # long prompt cannot stretch the decoders' inter-token latency (long/short mixing)
+        self.prefill_chunk_when_decoding = prefill_chunk_when_decoding or max_num_batched_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -70,10 +74,18 @@ class Scheduler:
         bm = self.block_manager
 
         self.running.sort(key=Sequence.sort_key)
+        decoding = any(s.num_uncomputed_tokens == 1 for s in self.running)
+        prefill_budget = self.prefill_chunk_when_decoding if decoding else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if n > 1:
+                n = min(n, prefill_budget)
+                if n == 0:
+                    i += 1
+                    continue
+                prefill_budget -= n
             while not bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -93,8 +105,10 @@ class Scheduler:
                 break
             if seq.held_back:
                 continue
+            if prefill_budget <= 0:
+                break
             cached = bm.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, prefill_budget)
             if not bm.can_allocate(seq, n):
                 bm.free_sequence(seq)  # first come, first served: nobody overtakes it
                 break
@@ -107,6 +121,7 @@ class Scheduler:
             admitted.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            prefill_budget -= n
         for seq in admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
