@@ -1,0 +1,149 @@
+"""Speculative decoding, side by side in one run (issue: Speculative decoding).
+
+Single-stream greedy decode tok/s with and without each drafter on two workloads:
+  edit: rewrite a given function with a small change (the answer mostly copies the prompt: n-gram's home)
+  gen:  free code generation
+  - n-gram lookup on the default model (qwen2.5-coder-0.5b-instruct)
+  - draft model qwen2.5-coder-0.5b-instruct for target qwen2.5-coder-1.5b-instruct
+Outputs must be identical to plain decoding (checked). Prints acceptance, tokens per verification
+step, and the cost arithmetic: draft step / target step, verify cost of k+1 tokens / 1 token, and the
+expected speedup they imply. Then the batch size at which n-gram speculation stops paying (aggregate
+tok/s of B concurrent edit streams, on vs off).
+
+    python -m benchmarks.speculative [--parts ngram,draft,batch] [--tokens 160]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from sudu.engine.llm import LLM
+from sudu.engine.scheduler import ScheduledSeq
+from sudu.engine.sequence import Sequence
+from sudu.sampling import SamplingParams
+
+SMALL, LARGE = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
+
+FUNCTION = '''def summarize_orders(orders, min_total=0.0):
+    """Group orders by customer and return totals above a threshold."""
+    totals = {}
+    counts = {}
+    for order in orders:
+        customer = order["customer"]
+        amount = float(order["amount"])
+        if amount < 0:
+            raise ValueError(f"negative amount in order {order['id']}")
+        totals[customer] = totals.get(customer, 0.0) + amount
+        counts[customer] = counts.get(customer, 0) + 1
+    result = []
+    for customer, total in sorted(totals.items()):
+        if total >= min_total:
+            average = total / counts[customer]
+            result.append({"customer": customer, "total": round(total, 2),
+                           "orders": counts[customer], "average": round(average, 2)})
+    return result
+'''
+WORKLOADS = {
+    "edit": "Here is a Python function:\n\n```python\n" + FUNCTION + "```\n\nRename the parameter `min_total` "
+            "to `threshold` everywhere and return the complete updated function in one code block, nothing else.",
+    "gen": "Write a Python class LRUCache with get and put methods, O(1) operations, and docstrings.",
+}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def decode_run(llm: LLM, prompt: list[int], n: int):
+    r = llm.generate([prompt], greedy(n))[0]
+    m = r.metrics
+    return (n - 1) / (m.finished_time - m.first_token_time), r
+
+
+def forward_cost_s(llm: LLM, ctx: int, new_tokens: int, repeat: int = 5) -> float:
+    """Median time of one target forward over new_tokens tokens after ctx cached ones."""
+    eng = llm.engine
+    seq = Sequence("cost", 0, list(range(1000, 1000 + ctx + new_tokens)), ctx, greedy(1), 0, 0.0, ctx + new_tokens + 1)
+    eng.block_manager.allocate(seq, ctx + new_tokens)
+    seq.num_computed_tokens = ctx
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        eng.runner.execute([ScheduledSeq(seq, new_tokens)])
+        times.append(time.perf_counter() - t0)
+    seq.num_computed_tokens = 0
+    eng.block_manager.free_sequence(seq)
+    return sorted(times)[len(times) // 2]
+
+
+def compare(name: str, plain: LLM, spec: LLM, prompts: dict, n: int, k: int, draft: LLM | None = None) -> None:
+    print(f"\n## {name}\n\n| workload | plain tok/s | speculative tok/s | speedup | acceptance | tokens/verify | identical |")
+    print("|---|---|---|---|---|---|---|")
+    for wl, prompt in prompts.items():
+        p_tps, p_r = decode_run(plain, prompt, n)
+        s_tps, s_r = decode_run(spec, prompt, n)
+        m = s_r.metrics
+        acc = m.acceptance_rate or 0.0
+        print(f"| {wl} | {p_tps:.2f} | {s_tps:.2f} | {s_tps / p_tps:.2f}x | {acc:.2f} | "
+              f"{m.mean_accepted_len or 1:.2f} | {s_r.token_ids == p_r.token_ids} |", flush=True)
+    ctx = len(prompts["edit"]) + n // 2
+    one = forward_cost_s(plain, ctx, 1)
+    many = forward_cost_s(plain, ctx, k + 1)
+    print(f"\ncost arithmetic: target forward 1 token {1000 * one:.0f} ms, {k + 1} tokens {1000 * many:.0f} ms "
+          f"(verify cost {many / one:.2f}x a step)")
+    if draft is not None:
+        d_one = forward_cost_s(draft, ctx, 1)
+        c = d_one / one
+        print(f"draft step {1000 * d_one:.0f} ms = {c:.2f} of a target step; with acceptance a and k={k} drafts, "
+              f"tokens per step = (1 - a^(k+1)) / (1 - a), cost per step = {k} x {c:.2f} + {many / one:.2f} "
+              f"target steps")
+        for a in (0.6, 0.8, 0.9):
+            tokens = (1 - a ** (k + 1)) / (1 - a)
+            print(f"  a={a}: expected speedup {tokens / (k * c + many / one):.2f}x")
+
+
+def batch_switch(model: str, prompt_ids: list[int], n: int, sizes: list[int]) -> None:
+    print("\n## batch size vs n-gram speculation (edit workload, aggregate output tok/s)\n")
+    print("| concurrent streams | plain | n-gram | ratio |\n|---|---|---|---|")
+    plain = LLM(model, progress=False)
+    spec = LLM(model, progress=False, speculative="ngram", speculative_max_batch=10 ** 6)
+    for b in sizes:
+        rates = []
+        for llm in (plain, spec):
+            t0 = time.perf_counter()
+            llm.generate([prompt_ids] * b, greedy(n))
+            rates.append(b * n / (time.perf_counter() - t0))
+        print(f"| {b} | {rates[0]:.1f} | {rates[1]:.1f} | {rates[1] / rates[0]:.2f}x |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="ngram,draft,batch")
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--quantization", default="none")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    parts = args.parts.split(",")
+    q = args.quantization
+    small = LLM(SMALL, progress=False, quantization=q)
+    prompts = {wl: small.tokenizer.encode_chat([{"role": "user", "content": text}]) for wl, text in WORKLOADS.items()}
+    if "ngram" in parts:
+        spec = LLM(SMALL, progress=False, quantization=q, speculative="ngram", num_speculative_tokens=args.k)
+        compare(f"n-gram lookup, {SMALL}", small, spec, prompts, args.tokens, args.k)
+        del spec
+    if "draft" in parts:
+        target = LLM(LARGE, progress=False, quantization=q)
+        spec = LLM(LARGE, progress=False, quantization=q, speculative=f"draft:{SMALL}", num_speculative_tokens=args.k)
+        compare(f"draft model {SMALL} -> {LARGE}", target, spec, prompts, args.tokens, args.k, draft=small)
+        del target, spec
+    if "batch" in parts:
+        del small
+        batch_switch(SMALL, prompts["edit"], args.tokens // 2, [int(b) for b in args.batch_sizes.split(",")])
+
+
+if __name__ == "__main__":
+    main()
