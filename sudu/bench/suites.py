@@ -112,31 +112,60 @@ def throughput_levels(concurrencies: list[int], rates: list[float], max_concurre
     return levels
 
 
+async def closed_loop(n: int, concurrency: int, send_one: Callable) -> None:
+    """`concurrency` workers; each sends its next request as soon as its previous one is done."""
+    remaining = iter(range(n))
+
+    async def worker() -> None:
+        for _ in remaining:
+            await send_one()
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
+
+
+async def open_loop(offsets: list[float], max_concurrency: int | None, send_one: Callable) -> None:
+    """Start each request at its arrival offset. With a cap, an arrival waits for a free slot (so the
+    offered rate is only met while the server keeps up)."""
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one() -> None:
+        try:
+            await send_one()
+        finally:
+            if slots is not None:
+                slots.release()
+
+    tasks = []
+    t0 = time.perf_counter()
+    for offset in offsets:
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if slots is not None:
+            await slots.acquire()
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+
+
 async def run_throughput(ctx: Ctx, levels: list[Group], n: int, warmups: int, input_words: int, output_len: int,
                          arrival: str, burstiness: float, seed: int) -> None:
     await warmup(ctx, warmups)
     base_prompt = long_prompt(input_words, seed, LONG_ANSWER_QUESTION) if input_words else LONG_ANSWER_QUESTION
     for level in levels:
         ctx.run.groups.append(level)
-        conc = level.params.get("concurrency") or level.params.get("max_concurrency")
-        sem = asyncio.Semaphore(conc) if conc else None
-        level.params["arrival"] = arrival if "rate" in level.params else "closed-loop"
-        if arrival == "gamma" and "rate" in level.params:
+
+        def send_one(name=level.name):
+            return send(ctx, name, "cold", make_messages("cold", base_prompt), output_len)
+
+        if "concurrency" in level.params:
+            level.params["arrival"] = "closed-loop"
+            await closed_loop(n, level.params["concurrency"], send_one)
+            continue
+        level.params["arrival"] = arrival
+        if arrival == "gamma":
             level.params["burstiness"] = burstiness
-        offsets = arrival_offsets(n, level.params.get("rate"), arrival, burstiness, seed)
-        t0 = time.perf_counter()
-
-        async def one(offset: float) -> None:
-            delay = t0 + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if sem is None:
-                await send(ctx, level.name, "cold", make_messages("cold", base_prompt), output_len)
-                return
-            async with sem:
-                await send(ctx, level.name, "cold", make_messages("cold", base_prompt), output_len)
-
-        await asyncio.gather(*(one(o) for o in offsets))
+        offsets = arrival_offsets(n, level.params["rate"], arrival, burstiness, seed)
+        await open_loop(offsets, level.params.get("max_concurrency"), send_one)
 
 
 async def run_cache(ctx: Ctx, lengths: list[int], n: int, max_tokens: int, seed: int) -> None:
