@@ -100,6 +100,26 @@ def test_throughput_sweep_and_goodput(server, tmp_path):
     assert rep["groups"][2]["params"]["arrival"] == "poisson"
 
 
+def _max_in_flight(records) -> int:
+    events = sorted([(r["t_sent_s"], 1) for r in records] + [(r["t_sent_s"] + r["done_s"], -1) for r in records],
+                    key=lambda e: (e[0], e[1]))
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+def test_concurrency_limits_hold(server, tmp_path):
+    run_cli(["throughput", "--url", server.url, "--concurrency", "3", "--rate", "500", "--max-concurrency", "2",
+             "-n", "15", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
+    _, rep = _report(tmp_path, "throughput")
+    for name, limit in (("concurrency=3", 3), ("rate=500", 2)):
+        recs = [r for r in rep["records"] if r["group"] == name]
+        assert len(recs) == 15 and _max_in_flight(recs) <= limit
+    assert rep["groups"][1]["params"]["max_concurrency"] == 2
+
+
 def test_cache_suite_flags_contradictions(server, tmp_path):
     # the fake server reports 32 cached tokens when it has seen the first message before: the salt keeps
     # cold prompts at 0, warm and shared-prefix ones hit: no contradiction
