@@ -107,11 +107,18 @@ def gemma_tok() -> Tokenizer:
     return make(gemma_like_metadata())
 
 
-@pytest.mark.parametrize("which", ["byte_tok", "gemma_tok"])
+@pytest.fixture(scope="module")
+def spm_tok() -> Tokenizer:
+    return make(spm_metadata())
+
+
+@pytest.mark.parametrize("which", ["byte_tok", "gemma_tok", "spm_tok"])
 def test_roundtrip(which, request):
     tok = request.getfixturevalue(which)
     for text in TEXTS:
-        assert tok.decode(tok.encode(text)) == text
+        # SentencePiece (Llama 2) drops one leading space on decode, as sentencepiece and transformers do
+        expected = text[1:] if which == "spm_tok" and text.startswith(" ") else text
+        assert tok.decode(tok.encode(text)) == expected
 
 
 def test_byte_level_specials_and_bos(byte_tok):
@@ -144,7 +151,7 @@ def _stream(tok, ids, chunks, skip=True):
     return pieces
 
 
-@pytest.mark.parametrize("which", ["byte_tok", "gemma_tok"])
+@pytest.mark.parametrize("which", ["byte_tok", "gemma_tok", "spm_tok"])
 def test_incremental_detokenizer_never_breaks_characters(which, request):
     tok = request.getfixturevalue(which)
     rng = random.Random(0)
@@ -225,12 +232,14 @@ def test_unsupported_gguf_tokenizer():
 
 
 def test_gemma_backend_cache(sudu_home, gemma_tok):
-    cached = list((sudu_home / "tokenizers").glob("*.json"))
-    assert len(cached) == 1
+    before = set((sudu_home / "tokenizers").glob("*.json"))
+    assert before  # the fixture's build was cached
     again = make(gemma_like_metadata())
+    assert set((sudu_home / "tokenizers").glob("*.json")) == before  # served from the cache, nothing new
     for text in TEXTS:
         assert again.encode(text) == gemma_tok.encode(text)
-    cached[0].write_text("not json")  # a damaged entry is rebuilt, not fatal
+    for path in before:
+        path.write_text("not json")  # a damaged entry is rebuilt, not fatal
     assert make(gemma_like_metadata()).encode("hello") == gemma_tok.encode("hello")
 
 
