@@ -228,15 +228,15 @@ async def stream_chat(
                         continue
                     if line or not data_lines:
                         continue  # comments, event:/id:/retry: fields
-                    payload = b"\n".join(data_lines)
+                    event_data = b"\n".join(data_lines)
                     data_lines = []
-                    if payload == b"[DONE]":
+                    if event_data == b"[DONE]":
                         saw_done = True
                         continue
                     try:
-                        chunk = json.loads(payload)
+                        chunk = json.loads(event_data)
                     except ValueError:
-                        record.error = f"unparseable SSE data: {payload[:120]!r}"
+                        record.error = f"unparseable SSE data: {event_data[:120]!r}"
                         continue
                     if "error" in chunk and not chunk.get("choices"):
                         err = chunk["error"]
