@@ -4,7 +4,7 @@ returns the same list in order, and concurrently (< 1 s instead of 2 s)."""
 from __future__ import annotations
 
 from sudu.bench.tasks import CheckResult, TaskInstance, extract_code
-from sudu.bench.tasks.sandbox import failure_detail, run_python
+from sudu.bench.tasks.sandbox import check_by_running
 
 TIMEOUT_S = 15.0
 
@@ -57,10 +57,7 @@ def check(answer: str) -> CheckResult:
     code = extract_code(answer, ("python", "py", "python3"), must_contain="async def")
     if "async def" not in code:
         return CheckResult(False, "no async def in the answer")
-    res = run_python(code, HARNESS, TIMEOUT_S)
-    if res.returncode == 0 and res.stdout.strip().endswith("OK"):
-        return CheckResult(True, "runs concurrently with the same result")
-    return CheckResult(False, failure_detail(res, TIMEOUT_S))
+    return check_by_running(code, HARNESS, TIMEOUT_S, "runs concurrently with the same result")
 
 
 def build() -> TaskInstance:

@@ -3,7 +3,7 @@ first-occurrence tie rule, a 1500-character input) in a subprocess with a timeou
 from __future__ import annotations
 
 from sudu.bench.tasks import CheckResult, TaskInstance, extract_code
-from sudu.bench.tasks.sandbox import failure_detail, run_python
+from sudu.bench.tasks.sandbox import check_by_running
 
 TIMEOUT_S = 10.0
 
@@ -47,10 +47,7 @@ def check(answer: str) -> CheckResult:
     code = extract_code(answer, ("python", "py", "python3"), must_contain="def longest_palindrome")
     if "def longest_palindrome" not in code:
         return CheckResult(False, "no longest_palindrome function in the answer")
-    res = run_python(code, HARNESS, TIMEOUT_S)
-    if res.returncode == 0 and res.stdout.strip().endswith("OK"):
-        return CheckResult(True, "all tests pass")
-    return CheckResult(False, failure_detail(res, TIMEOUT_S))
+    return check_by_running(code, HARNESS, TIMEOUT_S, "all tests pass")
 
 
 def build() -> TaskInstance:

@@ -10,6 +10,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from sudu.bench.tasks import CheckResult
+
 MEMORY_LIMIT_BYTES = 1 << 30
 
 HARNESS_PRELUDE = f"""
@@ -61,3 +63,11 @@ def failure_detail(res: RunResult, timeout_s: float) -> str:
         return f"timed out after {timeout_s:g} s"
     lines = [ln for ln in (res.stderr or res.stdout).strip().splitlines() if ln.strip()]
     return lines[-1][:300] if lines else f"exit code {res.returncode}"
+
+
+def check_by_running(candidate: str, harness: str, timeout_s: float, pass_detail: str) -> CheckResult:
+    """Passes when the harness exits 0 and prints OK last; otherwise the failure's last line."""
+    res = run_python(candidate, harness, timeout_s)
+    if res.returncode == 0 and res.stdout.strip().endswith("OK"):
+        return CheckResult(True, pass_detail)
+    return CheckResult(False, failure_detail(res, timeout_s))
