@@ -15,6 +15,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # catalog name, .gguf path or Hugging Face-style directory
     dtype: str = "float32"  # compute dtype of activations and unquantized weights
     quantization: str = "none"  # weight format of the linear layers: none | int8 | int4 (layers/linear.py)
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 (per-token, per-head scales; layers/kv_cache.py)
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a quarter of available RAM, at most 4 GiB
     max_model_len: int | None = None  # None -> the model's context length, at most 32768
@@ -37,6 +38,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

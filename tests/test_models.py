@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sudu.layers.attention import build_metadata
+from sudu.layers.kv_cache import KVCache
 from sudu.models import build_model
 from sudu.models.config import ModelConfig
 from tests.tiny_models import build_hf_model
@@ -20,8 +21,8 @@ def sudu_from_hf(hf) -> torch.nn.Module:
 
 
 def kv_pool(cfg: ModelConfig, num_slots: int):
-    shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    return [KVCache(num_slots, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+            for _ in range(cfg.num_hidden_layers)]
 
 
 def run_pieces(model, pieces_per_seq: list[list[list[int]]], slot_base: list[int], pool):

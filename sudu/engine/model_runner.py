@@ -12,6 +12,8 @@ import torch
 from sudu.config import EngineConfig, default_num_threads
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
+from sudu.layers.kv_cache import kv_bytes_per_token as kv_cache_bytes
+from sudu.layers.kv_cache import make_kv_cache
 from sudu.models import build_model
 from sudu.models.config import ModelConfig
 
@@ -32,9 +34,10 @@ def available_memory_bytes() -> int:
     return 8 << 30
 
 
-def kv_bytes_per_token(model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(model_cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of KV one token takes across all layers."""
     c = model_cfg
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(dtype).bits // 8
+    return c.num_hidden_layers * kv_cache_bytes(kv_cache_dtype, c.num_key_value_heads, c.head_dim, dtype)
 
 
 def load_network(model_cfg: ModelConfig, tensors, dtype: torch.dtype) -> torch.nn.Module:
@@ -66,14 +69,15 @@ class ModelRunner:
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
         torch.set_num_threads(config.num_threads or default_num_threads())
         self.num_blocks = self._num_blocks(max_model_len)
-        shape = (self.num_blocks * self.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim)
+        num_slots = self.num_blocks * self.block_size
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            make_kv_cache(config.kv_cache_dtype, num_slots, model_cfg.num_key_value_heads, model_cfg.head_dim,
+                          self.dtype)
             for _ in range(model_cfg.num_hidden_layers)
         ]
 
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model_cfg, self.dtype)
+        return kv_bytes_per_token(self.model_cfg, self.dtype, self.config.kv_cache_dtype)
 
     def _num_blocks(self, max_model_len: int) -> int:
         budget = self.config.kv_cache_memory

@@ -149,7 +149,7 @@ class DraftModelDrafter:
             quantize_model(net, ckpt, engine_config.quantization)
         max_len = min(ckpt.config.max_position_embeddings, target_config.max_position_embeddings)
         # room to shadow every token the target's pool can hold, plus the drafts in flight
-        pool_bytes = (target_pool_tokens + 64 * engine_config.block_size) * kv_bytes_per_token(ckpt.config, dtype)
+        pool_bytes = (target_pool_tokens + 64 * engine_config.block_size) * kv_bytes_per_token(ckpt.config, dtype, engine_config.kv_cache_dtype)
         cfg = dataclasses.replace(engine_config, model=model, kv_cache_memory=pool_bytes)
         self.runner = ModelRunner(cfg, ckpt.config, net, max_len)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_prefix_caching=False)

@@ -1,6 +1,6 @@
 """Paged attention over a flat KV pool.
 
-The pool of one layer is `k_cache`/`v_cache` of shape [num_slots, num_kv_heads, head_dim], where
+The pool of one layer is a KVCache (layers/kv_cache.py) of [num_slots, num_kv_heads, head_dim], where
 slot = block_id * block_size + offset. The model runner describes each forward pass in an
 AttentionMetadata: where the new tokens' K/V go (slot_mapping) and, per sequence, which slots hold its
 whole context. Sequences decoding one token are batched into a single padded attention call; sequences
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from sudu.layers.kv_cache import KVCache
 
 
 @dataclass
@@ -40,13 +42,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     seqs: list[SeqAttention] = field(default_factory=list)
     decode: DecodeBatch | None = None
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer
+    kv_caches: list[KVCache] = field(default_factory=list)  # per layer
 
 
 def build_metadata(
     q_lens: list[int],
     ctx_slots: list[torch.Tensor],
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: list[KVCache],
     sliding_window: int | None,
 ) -> AttentionMetadata:
     """q_lens[i] new tokens of sequence i sit at the end of its context, whose slots are ctx_slots[i].
@@ -99,14 +101,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Writes k/v into the layer's pool, attends each
     token to its sequence's context and returns [T, H, D]."""
-    k_cache, v_cache = meta.kv_caches[layer_idx]
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    cache = meta.kv_caches[layer_idx]
+    cache.write(meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     for s in meta.seqs:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
-        ks = k_cache.index_select(0, s.ctx_slots).transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
-        vs = v_cache.index_select(0, s.ctx_slots).transpose(0, 1).to(q.dtype)
+        ks, vs = cache.read(s.ctx_slots, q.dtype)  # [ctx, Hkv, D]
+        ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
         mask = s.sliding_mask if sliding and s.sliding_mask is not None else s.causal_mask
         if mask is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
@@ -115,11 +116,9 @@ def paged_attention(
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     d = meta.decode
     if d is not None:
-        B, L = d.slots.shape
         qd = q.index_select(0, d.rows)[:, :, None, :]  # [B, H, 1, D]
-        flat = d.slots.reshape(-1)
-        kd = k_cache.index_select(0, flat).view(B, L, *k_cache.shape[1:]).transpose(1, 2).to(q.dtype)
-        vd = v_cache.index_select(0, flat).view(B, L, *v_cache.shape[1:]).transpose(1, 2).to(q.dtype)
+        kd, vd = cache.read(d.slots, q.dtype)  # [B, L, Hkv, D]
+        kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
         mask = d.sliding_mask if sliding and d.sliding_mask is not None else d.mask
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
         out.index_copy_(0, d.rows, o[:, :, 0, :])
