@@ -1,7 +1,7 @@
 """The client's timestamps against a scripted fake server with exact chunk timings: TTFT, TPOT, ITL and
 E2E computed by sudu bench equal the scripted values within 2 ms, across role-only first chunks,
 multi-token chunks, missing usage, an error mid-stream and a slow first byte. Each scenario is sent 5
-times and the medians are compared, in up to 3 rounds. On a busy shared 2-core machine the fake server
+times and the medians are compared, in up to 5 rounds. On a busy shared 2-core machine the fake server
 itself can miss its script by milliseconds (thread wake-ups); then the client's figures are checked,
 with the same 2 ms, against what the server actually sent and when (it logs that, on the same clock),
 and a warning says so. A systematic error of the client fails either way."""
@@ -106,7 +106,7 @@ def _close(a, b, tol) -> bool:
     return a == pytest.approx(b, abs=tol)
 
 
-def timed(server, model, expect: dict, rounds: int = 3) -> list:
+def timed(server, model, expect: dict, rounds: int = 5) -> list:
     """Records of a round whose medians all match `expect` {key: (value, abs_tol)}; else the medians
     must match those rebuilt from the server's log of what it actually sent."""
     for _ in range(rounds):
