@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import html
+import importlib.metadata
 import io
 import json
 import os
@@ -25,10 +26,11 @@ MAX_TIMELINE_REQUESTS = 400
 
 def environment() -> dict:
     versions = {}
-    for name in ("httpx", "numpy", "matplotlib"):
-        mod = sys.modules.get(name)
-        if mod is not None:
-            versions[name] = getattr(mod, "__version__", "?")
+    for name in ("httpx", "numpy", "matplotlib", "torch"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
     try:
         from sudu import __version__ as sudu_version
     except ImportError:
