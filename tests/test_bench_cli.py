@@ -27,8 +27,8 @@ def run_cli(argv):
 
 def _answer(body) -> str:
     msgs = body["messages"]
-    prompt = msgs[0]["content"]
-    retry = len(msgs) > 1
+    prompt = next(m["content"] for m in msgs if m["role"] == "user")
+    retry = any(m["role"] == "assistant" for m in msgs)
     if "north vault" in prompt:
         return re.search(r"north vault is (\d+)", prompt).group(1)
     if "longest_palindrome" in prompt:

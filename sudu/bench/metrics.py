@@ -37,7 +37,7 @@ DEFINITIONS = {
 }
 
 TOKEN_GAP_LIMIT = 0.02
-COLD_CACHED_TOKENS_LIMIT = 64  # a chat template's fixed preamble may legitimately be cached before the salt
+COLD_CACHED_TOKENS_LIMIT = 16  # only the template's role header precedes the salt (one KV block at most)
 
 
 def cached_tokens(usage: dict | None, sudu: dict | None = None) -> int | None:

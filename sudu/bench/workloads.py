@@ -27,7 +27,7 @@ _WORDS = (
 
 
 def salt() -> str:
-    """A unique random prefix: no two cold prompts share more than the chat template's preamble."""
+    """A unique random prefix: no two cold prompts share more than the chat template's role header."""
     return f"[{uuid.uuid4().hex}] "
 
 
@@ -42,7 +42,7 @@ def filler_text(num_words: int, seed: int = 0) -> str:
 
 
 def make_messages(cache_state: str, user: str, system: str | None = None) -> list[dict]:
-    """Messages for one request. cold: a fresh salt at the very start of the first message; warm and
+    """Messages for one request. cold: a fresh salt at the very start of the system message; warm and
     shared-prefix: the text as given (warm-ness comes from sending the identical prompt just before;
     shared-prefix from a common `system` with distinct `user` tails)."""
     if cache_state not in CACHE_STATES:
@@ -52,7 +52,12 @@ def make_messages(cache_state: str, user: str, system: str | None = None) -> lis
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": user})
     if cache_state == "cold":
-        messages[0] = {**messages[0], "content": salt() + messages[0]["content"]}
+        # the salt goes as early as the chat API allows: the first (system) message. Without a system
+        # message of our own, templates insert a default one (Qwen's) that every request would share.
+        if system is None:
+            messages.insert(0, {"role": "system", "content": salt().strip()})
+        else:
+            messages[0] = {**messages[0], "content": salt() + messages[0]["content"]}
     return messages
 
 
