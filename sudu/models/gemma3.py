@@ -4,10 +4,10 @@ for local and global layers. Network only."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sudu.layers.attention import AttentionMetadata, paged_attention
+from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, apply_rotary
 from sudu.models.config import ModelConfig
@@ -40,23 +40,12 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(o.reshape(T, -1))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.sliding = cfg.is_sliding(layer_idx)
         self.self_attn = Gemma3Attention(cfg, layer_idx)
-        self.mlp = Gemma3MLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)

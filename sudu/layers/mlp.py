@@ -1,0 +1,24 @@
+"""The gated feed-forward block of llama-family and gemma networks: down(act(gate(x)) * up(x))."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
+        super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {hidden_act!r}")
+        self.act = ACTIVATIONS[hidden_act]
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
