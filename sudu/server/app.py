@@ -695,39 +695,37 @@ class _Call:
         for i in range(len(self.num_tokens)):
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
-        want_logprobs = self.logprobs is not None
-        running_usage = options.continuous_usage_stats
-        try:
-            async with aclosing(_generate_all(self.engine, self.jobs)) as outputs:
-                async for job_index, out in outputs:
-                    now = self.observe(job_index, out)
-                    for c in out.outputs:
-                        idx = job_index * self.n + c.index
-                        if c.text or (want_logprobs and c.logprobs):
-                            logprobs = {"content": _chat_logprobs(c.logprobs or [])} if want_logprobs else None
-                            choice = {"index": idx, "delta": {"content": c.text}, "logprobs": logprobs,
-                                      "finish_reason": None}
-                            yield self._chunk([choice], usage=self.usage()) if running_usage else self._chunk([choice])
-                        if c.finish_reason is not None and out.error is None:
-                            yield self._chunk([{"index": idx, "delta": {}, "logprobs": None,
-                                                "finish_reason": c.finish_reason}], sudu=_timing(out, now))
-                    if out.error is not None:
-                        raise _EngineRequestError(out.error)
-            if options.include_usage:
-                yield self._chunk([], usage=self.usage(), sudu=self.timing())
-        except Exception as exc:  # noqa: BLE001 -- a stream ends with an error event, never cut short
-            yield self._error_event(exc)
-        yield b"data: [DONE]\n\n"
+
+        def choice(idx, text, logprobs, finish_reason):
+            rendered = None
+            if logprobs is not None:
+                rendered = {"content": _chat_logprobs(logprobs)}
+            return {"index": idx, "delta": {"content": text} if text is not None else {}, "logprobs": rendered,
+                    "finish_reason": finish_reason}
+
+        async for chunk in self._stream(options, choice):
+            yield chunk
 
     async def completion_stream(self, options: P.StreamOptions) -> AsyncIterator[bytes]:
-        want_logprobs = self.logprobs is not None
-        running_usage = options.continuous_usage_stats
         offsets = [_CompletionLogprobs() for _ in self.num_tokens]
         if self.echo:
             for i in range(len(self.num_tokens)):
                 prefix = self.echo[i // self.n]
                 offsets[i].offset = len(prefix)
                 yield self._chunk([{"index": i, "text": prefix, "logprobs": None, "finish_reason": None}])
+
+        def choice(idx, text, logprobs, finish_reason):
+            rendered = offsets[idx].render(logprobs) if logprobs is not None else None
+            return {"index": idx, "text": text or "", "logprobs": rendered, "finish_reason": finish_reason}
+
+        async for chunk in self._stream(options, choice):
+            yield chunk
+
+    async def _stream(self, options: P.StreamOptions, choice) -> AsyncIterator[bytes]:
+        """Content chunks, a finish chunk per choice (with sudu's timing), the optional usage chunk and
+        [DONE]. choice(index, text | None, logprobs | None, finish_reason) renders one API's choice."""
+        want_logprobs = self.logprobs is not None
+        running_usage = options.continuous_usage_stats
         try:
             async with aclosing(_generate_all(self.engine, self.jobs)) as outputs:
                 async for job_index, out in outputs:
@@ -735,12 +733,10 @@ class _Call:
                     for c in out.outputs:
                         idx = job_index * self.n + c.index
                         if c.text or (want_logprobs and c.logprobs):
-                            logprobs = offsets[idx].render(c.logprobs or []) if want_logprobs else None
-                            choice = {"index": idx, "text": c.text, "logprobs": logprobs, "finish_reason": None}
-                            yield self._chunk([choice], usage=self.usage()) if running_usage else self._chunk([choice])
+                            chunk = [choice(idx, c.text, (c.logprobs or []) if want_logprobs else None, None)]
+                            yield self._chunk(chunk, usage=self.usage()) if running_usage else self._chunk(chunk)
                         if c.finish_reason is not None and out.error is None:
-                            yield self._chunk([{"index": idx, "text": "", "logprobs": None,
-                                                "finish_reason": c.finish_reason}], sudu=_timing(out, now))
+                            yield self._chunk([choice(idx, None, None, c.finish_reason)], sudu=_timing(out, now))
                     if out.error is not None:
                         raise _EngineRequestError(out.error)
             if options.include_usage:
