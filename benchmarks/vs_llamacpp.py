@@ -187,8 +187,8 @@ def main() -> None:
     for metric in results["sudu"]:
         s = statistics.median(results["sudu"][metric])
         l = statistics.median(results["llama.cpp"][metric])
-        label = {"decode": "single-stream decode", "prompt": f"prompt processing ({args.prompt_tokens} tokens)"}.get(
-            metric, f"aggregate output, {metric.split()[1]} sequences")
+        labels = {"decode": "single-stream decode", "prompt": f"prompt processing ({args.prompt_tokens} tokens)"}
+        label = labels.get(metric) or f"aggregate output, {metric.split()[-1]} sequences"
         print(f"| {label} | {s:.1f} | {l:.1f} | {s / l:.2f}x |")
     s_dec = statistics.median(results["sudu"]["decode"])
     print(f"\nroofline ({fmt}): bandwidth {bandwidth:.1f} GB/s, {bytes_per_token(ckpt.config, fmt) / 1e6:.0f} MB/token "

@@ -59,11 +59,15 @@ def test_output_matches_float_reference_of_dequantized_weights(fmt, rows):
 @pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
 @pytest.mark.parametrize("fmt", L.FORMATS)
 def test_kernel_rows_do_not_depend_on_batch_size(fmt):
+    """From 2 rows up the per-row work is identical, so results are bit for bit the same; one row takes
+    the fused matrix-vector path, which sums in another order: equal within float32 rounding."""
     _, _, layer = make_layer(fmt, n=37)  # 37: a ragged last tile of output channels
     x = torch.randn(33, 160, generator=torch.Generator().manual_seed(1))
+    full = layer(x)
+    for m in range(2, 34):
+        assert torch.equal(layer(x[:m]), full[:m]), m
     single = torch.cat([layer(x[i:i + 1]) for i in range(33)])
-    for m in range(1, 34):
-        assert torch.equal(layer(x[:m]), single[:m]), m
+    torch.testing.assert_close(single, full, atol=1e-5, rtol=1e-5)
 
 
 def test_dequantized_slices_match_one_shot(monkeypatch):

@@ -34,9 +34,21 @@ inline float hsum(__m256 v) {
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 // Dequantize columns [k0, k0 + kc) of one int8 row into out.
+// Group index of column k, advanced by one comparison per 32 columns: a 64-bit division there cost
+// more than the rest of the dequantization.
+struct GroupCursor {
+  int64_t g, next, G;
+  GroupCursor(int64_t k0, int64_t G_) : g(k0 / G_), next((k0 / G_ + 1) * G_), G(G_) {}
+  inline int64_t at(int64_t k) {
+    if (k >= next) { ++g; next += G; }
+    return g;
+  }
+};
+
 inline void dequant_int8(const int8_t* q, const uint16_t* s, int64_t G, int64_t k0, int64_t kc, float* out) {
+  GroupCursor cur(k0, G);
   for (int64_t k = k0; k < k0 + kc; k += 32) {
-    const __m256 sv = _mm256_set1_ps(half_to_float(s[k / G]));
+    const __m256 sv = _mm256_set1_ps(half_to_float(s[cur.at(k)]));
     for (int64_t j = 0; j < 32; j += 8) {
       __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + j));
       __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -48,9 +60,11 @@ inline void dequant_int8(const int8_t* q, const uint16_t* s, int64_t G, int64_t 
 inline void dequant_int4(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t G, int64_t k0, int64_t kc,
                          float* out) {
   const __m128i mask = _mm_set1_epi8(0x0F);
+  GroupCursor cur(k0, G);
   for (int64_t k = k0; k < k0 + kc; k += 32) {
-    const __m256 sv = _mm256_set1_ps(half_to_float(s[k / G]));
-    const __m256 mv = _mm256_set1_ps(half_to_float(mn[k / G]));
+    const int64_t g = cur.at(k);
+    const __m256 sv = _mm256_set1_ps(half_to_float(s[g]));
+    const __m256 mv = _mm256_set1_ps(half_to_float(mn[g]));
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
     __m128i lo = _mm_and_si128(b, mask);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
@@ -80,9 +94,70 @@ inline void tile_dot(const float* x, int64_t ldx, const float* w, int64_t kc, fl
     for (int r = 0; r < NR; ++r) acc[i * ldacc + r] += hsum(a[i][r]);
 }
 
+// Dot product of one quantized row with x, dequantizing in registers (M = 1: nothing to reuse, so
+// no buffer round trip). Two rows at once give 8 independent FMA chains, enough to hide FMA latency.
+template <bool INT4>
+inline void gemv_rows2(const float* x, int64_t K, const uint8_t* q0, const uint8_t* q1, const uint16_t* s0,
+                       const uint16_t* s1, const uint16_t* m0, const uint16_t* m1, int64_t G, float* out0, float* out1) {
+  __m256 a0[4], a1[4];
+  for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  GroupCursor cur(0, G);
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t g = cur.at(k);
+    const __m256 sv0 = _mm256_set1_ps(half_to_float(s0[g])), sv1 = _mm256_set1_ps(half_to_float(s1[g]));
+    __m256 w0[4], w1[4];
+    if (INT4) {
+      const __m256 mv0 = _mm256_set1_ps(half_to_float(m0[g])), mv1 = _mm256_set1_ps(half_to_float(m1[g]));
+      __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + k / 2));
+      __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + k / 2));
+      __m128i l0 = _mm_and_si128(b0, mask), h0 = _mm_and_si128(_mm_srli_epi16(b0, 4), mask);
+      __m128i l1 = _mm_and_si128(b1, mask), h1 = _mm_and_si128(_mm_srli_epi16(b1, 4), mask);
+      __m128i p0[4] = {l0, _mm_srli_si128(l0, 8), h0, _mm_srli_si128(h0, 8)};
+      __m128i p1[4] = {l1, _mm_srli_si128(l1, 8), h1, _mm_srli_si128(h1, 8)};
+      for (int j = 0; j < 4; ++j) {
+        w0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p0[j])), sv0, mv0);
+        w1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p1[j])), sv1, mv1);
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        w0[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q0 + k + 8 * j)))), sv0);
+        w1[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q1 + k + 8 * j)))), sv1);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256 xv = _mm256_loadu_ps(x + k + 8 * j);
+      a0[j] = _mm256_fmadd_ps(xv, w0[j], a0[j]);
+      a1[j] = _mm256_fmadd_ps(xv, w1[j], a1[j]);
+    }
+  }
+  *out0 = hsum(_mm256_add_ps(_mm256_add_ps(a0[0], a0[1]), _mm256_add_ps(a0[2], a0[3])));
+  *out1 = hsum(_mm256_add_ps(_mm256_add_ps(a1[0], a1[1]), _mm256_add_ps(a1[2], a1[3])));
+}
+
+template <bool INT4>
+void qgemv_impl(const float* x, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t N,
+                int64_t G, const float* bias, float* y) {
+  const int64_t ngroups = K / G;
+  const int64_t row_bytes = INT4 ? K / 2 : K;
+  at::parallel_for(0, (N + 1) / 2, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = 2 * p, n1 = std::min(2 * p + 1, N - 1);
+      float r0, r1;
+      gemv_rows2<INT4>(x, K, q + n0 * row_bytes, q + n1 * row_bytes, s + n0 * ngroups, s + n1 * ngroups,
+                       INT4 ? mn + n0 * ngroups : nullptr, INT4 ? mn + n1 * ngroups : nullptr, G, &r0, &r1);
+      y[n0] = r0 + (bias ? bias[n0] : 0.f);
+      if (n1 != n0) y[n1] = r1 + (bias ? bias[n1] : 0.f);
+    }
+  });
+}
+
 template <bool INT4>
 void qlinear_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
                   int64_t N, int64_t G, const float* bias, float* y) {
+  if (M == 1) return qgemv_impl<INT4>(x, K, q, s, mn, N, G, bias, y);
   const int64_t ngroups = K / G;
   const int64_t row_bytes = INT4 ? K / 2 : K;
   const int64_t ntiles = (N + NR - 1) / NR;
@@ -105,7 +180,7 @@ void qlinear_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const 
                          wbuf + r * KC);
         }
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) tile_dot<4>(x + m * K + k0, K, wbuf, kc, acc.data() + m * NR, NR);
+        // Two rows at most: 2 x NR accumulators + 2 x vectors + 1 weight fit AVX2's 16 ymm registers.
         for (; m + 2 <= M; m += 2) tile_dot<2>(x + m * K + k0, K, wbuf, kc, acc.data() + m * NR, NR);
         for (; m < M; ++m) tile_dot<1>(x + m * K + k0, K, wbuf, kc, acc.data() + m * NR, NR);
       }
