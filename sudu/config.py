@@ -17,6 +17,9 @@ class EngineConfig:
     quantization: str = "none"  # weight format of the linear layers: none | int8 | int4 (layers/linear.py)
     kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 (per-token, per-head scales; layers/kv_cache.py)
     block_size: int = 16  # tokens per KV block
+    # models with sliding-window layers (gemma3): "ring" keeps only each sequence's window for those
+    # layers (far less memory; no prefix cache for such models), "full" keeps every position (prefix cache on)
+    sliding_window_kv: str = "ring"
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a quarter of available RAM, at most 4 GiB
     max_model_len: int | None = None  # None -> the model's context length, at most 32768
     max_num_seqs: int = 64  # sequences in the running batch
@@ -38,6 +41,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+        if self.sliding_window_kv not in ("ring", "full"):
+            raise ValueError(f"sliding_window_kv must be ring or full, got {self.sliding_window_kv!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -266,3 +266,31 @@ def test_int8_kv_cache_holds_twice_the_tokens_and_stays_close(llms):
     agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(map(len, a))
     assert agree >= 0.8
     assert i8.engine.block_manager.num_free_blocks == i8.engine.block_manager.num_blocks
+
+
+def test_gemma_sliding_layers_keep_only_their_window(llms, tiny_model_dirs):
+    """Hybrid attention: with the ring layout, Gemma's sliding-window layers hold at most a window (plus
+    one step) of each sequence, whatever its length, and the output equals the transformers reference
+    and the full layout, for prompts far longer than the window (8 in the tiny model)."""
+    hf = build_hf_model("gemma3", seed=0)
+    ring = llms("gemma3", max_num_batched_tokens=16)
+    full = llms("gemma3", max_num_batched_tokens=16, sliding_window_kv="full")
+    sliding = ring.engine.block_manager.sliding
+    assert sliding is not None and sliding.ring_blocks == -(-(8 + 16) // 16) + 1
+    assert full.engine.block_manager.sliding is None
+    prompts = prompts_of([40, 90], seed=17)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    eng = ring.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"g{i}", p, params)
+    peak = 0
+    results = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            results.setdefault(out.request_id, []).extend(t for o in out.outputs for t in o.token_ids)
+        peak = max([peak] + [len(s.sliding_block_table) for s in eng.scheduler.running])
+    assert peak == sliding.ring_blocks  # 110 tokens would need 7 blocks; the ring holds 3
+    got = [results[f"g{i}"] for i in range(2)]
+    assert got == [reference_greedy(hf, p, 20) for p in prompts]
+    assert got == [r.token_ids for r in full.generate(prompts, params)]
+    assert len(sliding.free) == sliding.num_blocks

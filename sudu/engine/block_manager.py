@@ -36,8 +36,45 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+class SlidingWindowBlocks:
+    """The KV blocks of sliding-window layers (Gemma's local layers). Each sequence gets a ring of at most
+    `ring_blocks` blocks: position p lives in ring block (p // block_size) % ring_blocks, so these layers
+    hold only the last window (plus one step's chunk) of every sequence, whatever its length. A ring
+    cannot serve a reused prefix (its window's keys were overwritten or never written for this
+    sequence), so the engine turns the prefix cache off when it uses one."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, max_step_tokens: int):
+        self.block_size = block_size
+        self.window = window
+        # a step writes up to max_step_tokens new positions while its first query still needs the
+        # window before it: the ring must span both without overwriting a live key
+        self.ring_blocks = -(-(window + max_step_tokens) // block_size) + 1
+        self.num_blocks = num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    def needed(self, seq: Sequence, num_tokens: int) -> int:
+        return min(self.ring_blocks, -(-num_tokens // self.block_size)) - len(seq.sliding_block_table)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        for _ in range(self.needed(seq, num_tokens)):
+            seq.sliding_block_table.append(self.free.pop())
+
+    def free_sequence(self, seq: Sequence) -> None:
+        self.free.extend(reversed(seq.sliding_block_table))
+        seq.sliding_block_table = []
+
+    def slots(self, seq: Sequence, start: int, end: int):
+        """Ring slots of positions start..end-1 (a torch LongTensor)."""
+        import torch
+
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.sliding_block_table, dtype=torch.long)
+        return table[(pos // self.block_size) % self.ring_blocks] * self.block_size + pos % self.block_size
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding: SlidingWindowBlocks | None = None):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -45,6 +82,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # chain hash -> block id
         self.stats = PrefixCacheStats()
+        self.sliding = sliding
+        if sliding is not None:
+            self.enable_prefix_caching = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,16 +136,20 @@ class BlockManager:
         return hit
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= len(self.free)
+        total = seq.num_computed_tokens + num_new_tokens
+        if self.sliding is not None and self.sliding.needed(seq, total) > len(self.sliding.free):
+            return False
+        return self.blocks_needed(total) - len(seq.block_table) <= len(self.free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Extend the block table to hold num_computed_tokens + num_new_tokens tokens."""
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if needed > len(self.free):
+        """Extend the block table(s) to hold num_computed_tokens + num_new_tokens tokens."""
+        if not self.can_allocate(seq, num_new_tokens):
             raise RuntimeError("allocate called without can_allocate")
-        for _ in range(needed):
+        total = seq.num_computed_tokens + num_new_tokens
+        for _ in range(self.blocks_needed(total) - len(seq.block_table)):
             seq.block_table.append(self._allocate_fresh())
+        if self.sliding is not None:
+            self.sliding.allocate(seq, total)
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the prefix cache."""
@@ -127,19 +171,21 @@ class BlockManager:
         """Give back the blocks past the first num_tokens tokens (rejected speculative tokens)."""
         keep = self.blocks_needed(num_tokens)
         while len(seq.block_table) > keep:
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block.block_id] = None
+            self._release(seq.block_table.pop())
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
 
     def free_sequence(self, seq: Sequence) -> None:
         # tail blocks first, so they are evicted before the (more shareable) head of the prefix
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
+            self._release(block_id)
         seq.block_table = []
+        if self.sliding is not None:
+            self.sliding.free_sequence(seq)
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 

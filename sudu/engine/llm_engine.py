@@ -62,7 +62,10 @@ class LLMEngine:
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          sliding=self.runner.sliding_blocks)
+        if self.runner.sliding_blocks is not None and config.enable_prefix_caching:
+            log.info("sliding-window layers keep only their window (sliding_window_kv=ring): prefix cache off")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_when_decoding)
         self.sampler = Sampler(config.seed)
@@ -86,7 +89,7 @@ class LLMEngine:
         """The number of tokens this request may generate; raises if it can never fit."""
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
-        pool_tokens = self.runner.num_blocks * self.config.block_size
+        pool_tokens = self.runner.num_blocks * self.config.block_size  # the global layers' pool bounds a sequence
         limit = min(self.max_model_len, pool_tokens)
         if num_prompt_tokens >= limit:
             raise RequestTooLongError(

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from sudu.config import EngineConfig, default_num_threads
+from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
 from sudu.layers.kv_cache import kv_bytes_per_token as kv_cache_bytes
@@ -68,27 +69,43 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
         torch.set_num_threads(config.num_threads or default_num_threads())
-        self.num_blocks = self._num_blocks(max_model_len)
-        num_slots = self.num_blocks * self.block_size
-        self.kv_caches = [
-            make_kv_cache(config.kv_cache_dtype, num_slots, model_cfg.num_key_value_heads, model_cfg.head_dim,
-                          self.dtype)
-            for _ in range(model_cfg.num_hidden_layers)
-        ]
+        sliding_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sliding(i)]
+        use_ring = bool(self.sliding_window) and config.sliding_window_kv == "ring"
+        ring_layers = set(sliding_layers) if use_ring else set()
+        layer_bytes = kv_cache_bytes(config.kv_cache_dtype, model_cfg.num_key_value_heads, model_cfg.head_dim,
+                                     self.dtype)
+        budget = self._kv_budget_bytes(max_model_len)
+        self.sliding_blocks = None
+        if ring_layers:
+            ring = SlidingWindowBlocks(0, self.block_size, self.sliding_window, config.max_num_batched_tokens)
+            ring_bytes_per_block = len(ring_layers) * layer_bytes * self.block_size
+            # enough rings for every running sequence, but never more than half the budget
+            ring.num_blocks = min(config.max_num_seqs * ring.ring_blocks, budget // 2 // ring_bytes_per_block)
+            ring.free = list(range(ring.num_blocks - 1, -1, -1))
+            budget -= ring.num_blocks * ring_bytes_per_block
+            self.sliding_blocks = ring
+        global_bytes_per_token = (model_cfg.num_hidden_layers - len(ring_layers)) * layer_bytes
+        self.num_blocks = int(budget // (global_bytes_per_token * self.block_size))
+        if self.num_blocks < 2 or (self.sliding_blocks is not None and self.sliding_blocks.num_blocks < 2):
+            raise SuduError(f"kv_cache_memory={self._kv_budget_bytes(max_model_len)} bytes holds fewer than "
+                            f"2 blocks of {self.block_size} tokens")
+        self.kv_caches = []
+        for i in range(model_cfg.num_hidden_layers):
+            blocks = self.sliding_blocks.num_blocks if i in ring_layers else self.num_blocks
+            self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, blocks * self.block_size,
+                                                model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype))
 
     def kv_bytes_per_token(self) -> int:
+        """Bytes one more token of context costs a sequence (every layer keeping every position)."""
         return kv_bytes_per_token(self.model_cfg, self.dtype, self.config.kv_cache_dtype)
 
-    def _num_blocks(self, max_model_len: int) -> int:
+    def _kv_budget_bytes(self, max_model_len: int) -> int:
         budget = self.config.kv_cache_memory
         if budget is None:
             budget = min(DEFAULT_KV_CACHE_CAP_BYTES, available_memory_bytes() // 4)
             # no use holding more than every running sequence at full length
             budget = min(budget, self.config.max_num_seqs * max_model_len * self.kv_bytes_per_token())
-        num_blocks = budget // (self.kv_bytes_per_token() * self.block_size)
-        if num_blocks < 2:
-            raise SuduError(f"kv_cache_memory={budget} bytes holds fewer than 2 blocks of {self.block_size} tokens")
-        return int(num_blocks)
+        return budget
 
     @torch.inference_mode()
     def execute(self, scheduled) -> torch.Tensor:
@@ -113,7 +130,15 @@ class ModelRunner:
             ctx_slots.append(table[pos // bs] * bs + pos % bs)
             row += s.num_new_tokens
             sample_rows.extend(range(row - s.num_logit_rows, row))
-        meta = build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window)
+        sliding_keys = None
+        if self.sliding_blocks is not None:
+            window = self.sliding_window
+            sliding_keys = []
+            for s in scheduled:
+                start = s.seq.num_computed_tokens
+                first = max(0, start + 1 - window)  # the earliest key the first new token can see
+                sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
+        meta = build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys)
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta)
         if not sample_rows:
             return hidden.new_zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)

@@ -33,6 +33,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    sliding_block_table: list[int] = field(default_factory=list)  # ring of the sliding-window layers
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission

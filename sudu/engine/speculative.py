@@ -152,7 +152,8 @@ class DraftModelDrafter:
         pool_bytes = (target_pool_tokens + 64 * engine_config.block_size) * kv_bytes_per_token(ckpt.config, dtype, engine_config.kv_cache_dtype)
         cfg = dataclasses.replace(engine_config, model=model, kv_cache_memory=pool_bytes)
         self.runner = ModelRunner(cfg, ckpt.config, net, max_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_prefix_caching=False)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_prefix_caching=False,
+                                          sliding=self.runner.sliding_blocks)
         self.shadows: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (shadow, target length at last sync)
         self.generator = torch.Generator().manual_seed(engine_config.seed + 1)
         self.num_draft_steps = 0

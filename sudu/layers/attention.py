@@ -2,8 +2,8 @@
 
 The pool of one layer is a KVCache (layers/kv_cache.py) of [num_slots, num_kv_heads, head_dim], where
 slot = block_id * block_size + offset. The model runner describes each forward pass in an
-AttentionMetadata: where the new tokens' K/V go (slot_mapping) and, per sequence, which slots hold its
-whole context. Sequences decoding one token are batched into a single padded attention call; sequences
+AttentionMetadata: per group of layers (global; sliding-window), where the new tokens' K/V go
+(slot_mapping) and, per sequence, which slots hold the keys it may see. Sequences decoding one token are batched into a single padded attention call; sequences
 with several new tokens (prefill chunks, speculative verification) are handled one by one.
 """
 from __future__ import annotations
@@ -18,13 +18,12 @@ from sudu.layers.kv_cache import KVCache
 
 @dataclass
 class SeqAttention:
-    """One sequence with q_len >= 2 new tokens at the end of a context of ctx_len tokens."""
+    """One sequence with q_len >= 2 new tokens at the end of its context."""
 
     q_start: int  # row of its first new token in the flat batch
     q_len: int
-    ctx_slots: torch.Tensor  # [ctx_len] slots of positions 0..ctx_len-1 (the new tokens included)
-    causal_mask: torch.Tensor | None  # [q_len, ctx_len] True = attend; None -> plain causal from 0
-    sliding_mask: torch.Tensor | None  # same, restricted to the sliding window; None if no window
+    key_slots: torch.Tensor  # slots of the keys it may see, in position order (the new tokens included)
+    mask: torch.Tensor | None  # [q_len, num_keys] True = attend; None -> plain causal from position 0
 
 
 @dataclass
@@ -32,17 +31,60 @@ class DecodeBatch:
     """Sequences with exactly one new token, attended together with padding."""
 
     rows: torch.Tensor  # [B] rows of their tokens in the flat batch
-    slots: torch.Tensor  # [B, max_ctx] context slots, padded with slot 0
-    mask: torch.Tensor  # [B, 1, 1, max_ctx] True = attend
-    sliding_mask: torch.Tensor | None
+    slots: torch.Tensor  # [B, max_keys] key slots, padded with slot 0
+    mask: torch.Tensor  # [B, 1, 1, max_keys] True = attend
+
+
+@dataclass
+class AttentionView:
+    """The batch as one group of layers sees it: global layers see every position, sliding-window
+    layers only the window (through their own ring of slots, or the same slots under a window mask)."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    seqs: list[SeqAttention] = field(default_factory=list)
+    decode: DecodeBatch | None = None
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    seqs: list[SeqAttention] = field(default_factory=list)
-    decode: DecodeBatch | None = None
+    full: AttentionView
+    sliding: AttentionView | None  # None: the model has no sliding-window layers
     kv_caches: list[KVCache] = field(default_factory=list)  # per layer
+
+
+def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], key_slots: list[torch.Tensor],
+               window: int | None) -> AttentionView:
+    """Sequence i has q_lens[i] new tokens at the end of ctx_lens[i] positions and sees the keys at
+    positions key_starts[i]..ctx_lens[i]-1, held in key_slots[i]."""
+    slot_parts, seqs, decode_ids = [], [], []
+    row = 0
+    for i, (q_len, ctx_len, k0, slots) in enumerate(zip(q_lens, ctx_lens, key_starts, key_slots)):
+        slot_parts.append(slots[slots.numel() - q_len:])
+        if q_len == 1:
+            decode_ids.append((i, row))
+        else:
+            start = ctx_len - q_len
+            q_pos = torch.arange(start, ctx_len)[:, None]
+            k_pos = torch.arange(k0, ctx_len)[None, :]
+            mask = k_pos <= q_pos
+            if window:
+                mask &= q_pos - k_pos < window
+            plain_causal = start == 0 and k0 == 0 and not (window and ctx_len > window)
+            seqs.append(SeqAttention(row, q_len, slots, None if plain_causal else mask))
+        row += q_len
+    decode = None
+    if decode_ids:
+        width = max(key_slots[i].numel() for i, _ in decode_ids)
+        slots = torch.zeros(len(decode_ids), width, dtype=torch.long)
+        mask = torch.zeros(len(decode_ids), width, dtype=torch.bool)
+        for b, (i, _) in enumerate(decode_ids):
+            n, k0 = key_slots[i].numel(), key_starts[i]
+            slots[b, :n] = key_slots[i]
+            first_visible = max(0, ctx_lens[i] - window) - k0 if window else 0
+            mask[b, max(0, first_visible):n] = True
+        decode = DecodeBatch(torch.tensor([r for _, r in decode_ids], dtype=torch.long), slots, mask[:, None, None, :])
+    slot_mapping = torch.cat(slot_parts) if slot_parts else torch.zeros(0, dtype=torch.long)
+    return AttentionView(slot_mapping, seqs, decode)
 
 
 def build_metadata(
@@ -50,44 +92,21 @@ def build_metadata(
     ctx_slots: list[torch.Tensor],
     kv_caches: list[KVCache],
     sliding_window: int | None,
+    sliding_keys: list[tuple[int, torch.Tensor]] | None = None,
 ) -> AttentionMetadata:
     """q_lens[i] new tokens of sequence i sit at the end of its context, whose slots are ctx_slots[i].
-    The new tokens appear in the flat batch in sequence order."""
-    slot_parts, seqs, decode_ids = [], [], []
-    row = 0
-    for i, (q_len, slots) in enumerate(zip(q_lens, ctx_slots)):
-        ctx_len = slots.numel()
-        slot_parts.append(slots[ctx_len - q_len:])
-        if q_len == 1:
-            decode_ids.append((i, row))
+    With sliding_window set, sliding layers read either their own pool (sliding_keys[i] = (first
+    position kept, slots from there on)) or, without it, the same slots under a window mask."""
+    ctx_lens = [s.numel() for s in ctx_slots]
+    full = build_view(q_lens, ctx_lens, [0] * len(q_lens), ctx_slots, None)
+    sliding = None
+    if sliding_window:
+        if sliding_keys is None:
+            sliding = build_view(q_lens, ctx_lens, [0] * len(q_lens), ctx_slots, sliding_window)
         else:
-            start = ctx_len - q_len
-            q_pos = torch.arange(start, ctx_len)[:, None]
-            k_pos = torch.arange(ctx_len)[None, :]
-            causal = k_pos <= q_pos
-            sliding = causal & (q_pos - k_pos < sliding_window) if sliding_window else None
-            seqs.append(SeqAttention(row, q_len, slots, None if start == 0 else causal, sliding))
-        row += q_len
-    decode = None
-    if decode_ids:
-        max_ctx = max(ctx_slots[i].numel() for i, _ in decode_ids)
-        slots = torch.zeros(len(decode_ids), max_ctx, dtype=torch.long)
-        mask = torch.zeros(len(decode_ids), max_ctx, dtype=torch.bool)
-        sliding = torch.zeros_like(mask) if sliding_window else None
-        for b, (i, _) in enumerate(decode_ids):
-            n = ctx_slots[i].numel()
-            slots[b, :n] = ctx_slots[i]
-            mask[b, :n] = True
-            if sliding is not None:
-                sliding[b, max(0, n - sliding_window):n] = True
-        decode = DecodeBatch(
-            rows=torch.tensor([r for _, r in decode_ids], dtype=torch.long),
-            slots=slots,
-            mask=mask[:, None, None, :],
-            sliding_mask=None if sliding is None else sliding[:, None, None, :],
-        )
-    slot_mapping = torch.cat(slot_parts) if slot_parts else torch.zeros(0, dtype=torch.long)
-    return AttentionMetadata(slot_mapping=slot_mapping, seqs=seqs, decode=decode, kv_caches=kv_caches)
+            sliding = build_view(q_lens, ctx_lens, [k0 for k0, _ in sliding_keys], [s for _, s in sliding_keys],
+                                 sliding_window)
+    return AttentionMetadata(full, sliding, kv_caches)
 
 
 def paged_attention(
@@ -101,25 +120,24 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Writes k/v into the layer's pool, attends each
     token to its sequence's context and returns [T, H, D]."""
+    view = meta.sliding if sliding and meta.sliding is not None else meta.full
     cache = meta.kv_caches[layer_idx]
-    cache.write(meta.slot_mapping, k, v)
+    cache.write(view.slot_mapping, k, v)
     out = torch.empty_like(q)
-    for s in meta.seqs:
+    for s in view.seqs:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
-        ks, vs = cache.read(s.ctx_slots, q.dtype)  # [ctx, Hkv, D]
+        ks, vs = cache.read(s.key_slots, q.dtype)  # [keys, Hkv, D]
         ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
-        mask = s.sliding_mask if sliding and s.sliding_mask is not None else s.causal_mask
-        if mask is None:
+        if s.mask is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
-    d = meta.decode
+    d = view.decode
     if d is not None:
         qd = q.index_select(0, d.rows)[:, :, None, :]  # [B, H, 1, D]
         kd, vd = cache.read(d.slots, q.dtype)  # [B, L, Hkv, D]
         kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
-        mask = d.sliding_mask if sliding and d.sliding_mask is not None else d.mask
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=True)
         out.index_copy_(0, d.rows, o[:, :, 0, :])
     return out
