@@ -3,8 +3,9 @@
 The pool of one layer is a KVCache (layers/kv_cache.py) of [num_slots, num_kv_heads, head_dim], where
 slot = block_id * block_size + offset. The model runner describes each forward pass in an
 AttentionMetadata: per group of layers (global; sliding-window), where the new tokens' K/V go
-(slot_mapping) and, per sequence, which slots hold the keys it may see. Sequences decoding one token are batched into a single padded attention call; sequences
-with several new tokens (prefill chunks, speculative verification) are handled one by one.
+(slot_mapping) and, per sequence, which slots hold the keys it may see. Sequences with few new tokens
+(decodes, speculative verification, short chunks) are batched into one padded attention call; longer
+prefill chunks attend one by one.
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ class SeqAttention:
 
 @dataclass
 class DecodeBatch:
-    """Sequences with exactly one new token, attended together with padding."""
+    """Sequences with few new tokens (decodes: 1; speculative verification: 1 + drafts; short chunks),
+    attended together in one padded call."""
 
-    rows: torch.Tensor  # [B] rows of their tokens in the flat batch
+    rows: torch.Tensor  # [B, max_q] rows of their new tokens in the flat batch, -1 = padding
     slots: torch.Tensor  # [B, max_keys] key slots, padded with slot 0
-    mask: torch.Tensor  # [B, 1, 1, max_keys] True = attend
+    mask: torch.Tensor  # [B, 1, max_q, max_keys] True = attend (padding queries see key 0, never NaN)
 
 
 @dataclass
@@ -43,6 +45,9 @@ class AttentionView:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     seqs: list[SeqAttention] = field(default_factory=list)
     decode: DecodeBatch | None = None
+
+
+SMALL_Q = 16  # sequences with at most this many new tokens share one padded attention call
 
 
 @dataclass
@@ -56,33 +61,36 @@ def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], ke
                window: int | None) -> AttentionView:
     """Sequence i has q_lens[i] new tokens at the end of ctx_lens[i] positions and sees the keys at
     positions key_starts[i]..ctx_lens[i]-1, held in key_slots[i]."""
-    slot_parts, seqs, decode_ids = [], [], []
+    slot_parts, seqs, small = [], [], []
     row = 0
     for i, (q_len, ctx_len, k0, slots) in enumerate(zip(q_lens, ctx_lens, key_starts, key_slots)):
         slot_parts.append(slots[slots.numel() - q_len:])
-        if q_len == 1:
-            decode_ids.append((i, row))
+        start = ctx_len - q_len
+        q_pos = torch.arange(start, ctx_len)[:, None]
+        k_pos = torch.arange(k0, ctx_len)[None, :]
+        mask = k_pos <= q_pos
+        if window:
+            mask &= q_pos - k_pos < window
+        if q_len <= SMALL_Q:
+            small.append((i, row, mask))
         else:
-            start = ctx_len - q_len
-            q_pos = torch.arange(start, ctx_len)[:, None]
-            k_pos = torch.arange(k0, ctx_len)[None, :]
-            mask = k_pos <= q_pos
-            if window:
-                mask &= q_pos - k_pos < window
             plain_causal = start == 0 and k0 == 0 and not (window and ctx_len > window)
             seqs.append(SeqAttention(row, q_len, slots, None if plain_causal else mask))
         row += q_len
     decode = None
-    if decode_ids:
-        width = max(key_slots[i].numel() for i, _ in decode_ids)
-        slots = torch.zeros(len(decode_ids), width, dtype=torch.long)
-        mask = torch.zeros(len(decode_ids), width, dtype=torch.bool)
-        for b, (i, _) in enumerate(decode_ids):
-            n, k0 = key_slots[i].numel(), key_starts[i]
+    if small:
+        width = max(key_slots[i].numel() for i, _, _ in small)
+        max_q = max(q_lens[i] for i, _, _ in small)
+        rows = torch.full((len(small), max_q), -1, dtype=torch.long)
+        slots = torch.zeros(len(small), width, dtype=torch.long)
+        mask = torch.zeros(len(small), max_q, width, dtype=torch.bool)
+        mask[:, :, 0] = True
+        for b, (i, r, m) in enumerate(small):
+            n, q = key_slots[i].numel(), q_lens[i]
+            rows[b, :q] = torch.arange(r, r + q)
             slots[b, :n] = key_slots[i]
-            first_visible = max(0, ctx_lens[i] - window) - k0 if window else 0
-            mask[b, max(0, first_visible):n] = True
-        decode = DecodeBatch(torch.tensor([r for _, r in decode_ids], dtype=torch.long), slots, mask[:, None, None, :])
+            mask[b, :q, :n] = m
+        decode = DecodeBatch(rows, slots, mask[:, None])
     slot_mapping = torch.cat(slot_parts) if slot_parts else torch.zeros(0, dtype=torch.long)
     return AttentionView(slot_mapping, seqs, decode)
 
@@ -135,9 +143,15 @@ def paged_attention(
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     d = view.decode
     if d is not None:
-        qd = q.index_select(0, d.rows)[:, :, None, :]  # [B, H, 1, D]
+        B, max_q = d.rows.shape
+        valid = d.rows.reshape(-1) >= 0
+        qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, *q.shape[1:]).transpose(1, 2)
         kd, vd = cache.read(d.slots, q.dtype)  # [B, L, Hkv, D]
         kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=True)
-        out.index_copy_(0, d.rows, o[:, :, 0, :])
+        o = o.transpose(1, 2).reshape(B * max_q, *q.shape[1:])
+        if bool(valid.all()):
+            out.index_copy_(0, d.rows.reshape(-1), o)
+        else:
+            out.index_copy_(0, d.rows.reshape(-1)[valid], o[valid])
     return out
