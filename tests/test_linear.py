@@ -2,8 +2,8 @@
 their own dequantized weights; batching never changes a row's result; the PyTorch fallback gives the
 same answers; a quantized tiny model's logits stay close to the float model's.
 
-Tolerances: the kernel and the reference multiply the very same float32 weights, so they differ only by
-summation order. With |x| ~ 1, |w| ~ 0.05 and K = 96..160 terms, float32 rounding of a dot product is
+Tolerances: the kernel and the reference multiply the very same float32 weights (and the same
+int8-rounded activations, mirrored by `round_activations_q8`), so they differ only by summation order. With |x| ~ 1, |w| ~ 0.05 and K = 96..160 terms, float32 rounding of a dot product is
 ~K * 2^-24 * sum|x w| ~ 1e-6; 1e-4 absolute leaves a wide margin and still catches any wrong weight
 (one wrong int8 step alone moves an output by ~1e-3).
 """
@@ -32,8 +32,20 @@ def make_layer(fmt, n=72, k=160, bias=True, seed=0):
     return w, b, L.QuantizedLinear.from_float(fmt, w, b)
 
 
+def round_activations_q8(x):
+    """The kernel's activation rounding, mirrored: int8 codes per block of 32, scale = max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
 def reference(layer, x):
+    """float32 product with the layer's dequantized weights; through the native kernel the activations
+    are first rounded to int8 blocks (quant_linear.cpp), so the reference rounds them the same way."""
     w = L.dequantize_torch(layer.fmt, layer.qweight, layer.scales, layer.mins, layer.group_size)
+    if layer._ext is not None and x.shape[0] <= L.KERNEL_MAX_ROWS:
+        x = round_activations_q8(x)
     return F.linear(x, w, layer.bias)
 
 
@@ -60,7 +72,8 @@ def test_output_matches_float_reference_of_dequantized_weights(fmt, rows):
 @pytest.mark.parametrize("fmt", L.FORMATS)
 def test_kernel_rows_do_not_depend_on_batch_size(fmt):
     """From 2 rows up the per-row work is identical, so results are bit for bit the same; one row takes
-    the fused matrix-vector path, which sums in another order: equal within float32 rounding."""
+    the integer-dot path, which sums the same rounded activations in another order: equal within float32
+    rounding."""
     _, _, layer = make_layer(fmt, n=37)  # 37: a ragged last tile of output channels
     x = torch.randn(33, 160, generator=torch.Generator().manual_seed(1))
     full = layer(x)
@@ -86,8 +99,9 @@ def test_bfloat16_activations_come_back_in_bfloat16():
     torch.testing.assert_close(y.float(), reference(layer, x.float()), atol=2e-2, rtol=1e-2)
 
 
-def test_fallback_without_extension_gives_the_same_outputs():
-    """SUDU_NO_EXT=1 in a fresh interpreter: no compile, the PyTorch path, the same numbers."""
+def test_fallback_without_extension_matches_the_float_reference():
+    """SUDU_NO_EXT=1 in a fresh interpreter: no compile, the PyTorch path (float activations, no int8
+    rounding), the float32 product with the same dequantized weights."""
     code = (
         "import torch; from sudu import kernels; from sudu.layers import linear as L\n"
         "assert kernels.load() is None\n"
@@ -103,7 +117,9 @@ def test_fallback_without_extension_gives_the_same_outputs():
     for line, fmt in zip(out.stdout.splitlines(), L.FORMATS):
         got = torch.tensor(eval(line.split(" ", 1)[1]))
         assert line.startswith(fmt)
-        torch.testing.assert_close(got, L.QuantizedLinear.from_float(fmt, w)(x).sum(dim=1), atol=ATOL, rtol=0)
+        layer = L.QuantizedLinear.from_float(fmt, w)
+        deq = L.dequantize_torch(fmt, layer.qweight, layer.scales, layer.mins, layer.group_size)
+        torch.testing.assert_close(got, F.linear(x, deq).sum(dim=1), atol=ATOL, rtol=0)
 
 
 def test_quantize_model_replaces_every_linear(tiny_model_dirs):

@@ -15,6 +15,7 @@ import torch
 
 from sudu.config import EngineConfig
 from sudu.engine.llm import LLM
+from sudu.layers import linear
 from sudu.layers.attention import build_metadata
 from sudu.sampling import SamplingParams
 
@@ -53,7 +54,10 @@ MIN_AGREEMENT = 0.95
 
 @torch.inference_mode()
 def all_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """float32 logits at every position of one sequence, in one forward pass over fresh KV slots."""
+    """float32 logits at every position of one sequence, in one forward pass over fresh KV slots. Every
+    row goes through the decode kernel (int8-rounded activations), not the prefill path, so the figures
+    are those of decoding."""
+    linear.KERNEL_MAX_ROWS = 1 << 30
     runner = llm.engine.runner
     slots = torch.arange(len(token_ids))
     meta = build_metadata([len(token_ids)], [slots], runner.kv_caches, runner.sliding_window)

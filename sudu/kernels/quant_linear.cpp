@@ -13,7 +13,13 @@
 // NR weight rows x KC columns into an L1-resident float buffer once, then runs every activation row
 // against it: weights cross the memory bus once per step whatever M is, and the multiply-adds are
 // plain float32 FMAs on exactly the dequantized weights (same numbers as the float reference).
-// The per-(m, n) accumulation order does not depend on M, so batching does not change any row's result.
+//
+// Activations are rounded to int8 in blocks of 32 (a float scale per block, as llama.cpp's Q8 activations),
+// at every row count, so a row's result does not depend on the batch beyond float rounding:
+//   M == 1   integer dot products (maddubs) of weight and activation codes, one float FMA per block:
+//            ~3x less arithmetic than dequantizing, so one-row decode is bound by memory, not compute.
+//   M >= 2   the rounded activations back in float, against an L1 tile of dequantized weights shared by
+//            every row (the integer trick saves nothing once the dequantization is amortized).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -94,67 +100,89 @@ inline void tile_dot(const float* x, int64_t ldx, const float* w, int64_t kc, fl
     for (int r = 0; r < NR; ++r) acc[i * ldacc + r] += hsum(a[i][r]);
 }
 
-// Dot product of one quantized row with x, dequantizing in registers (M = 1: nothing to reuse, so
-// no buffer round trip). Two rows at once give 8 independent FMA chains, enough to hide FMA latency.
-template <bool INT4>
-inline void gemv_rows2(const float* x, int64_t K, const uint8_t* q0, const uint8_t* q1, const uint16_t* s0,
-                       const uint16_t* s1, const uint16_t* m0, const uint16_t* m1, int64_t G, float* out0, float* out1) {
-  __m256 a0[4], a1[4];
-  for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  GroupCursor cur(0, G);
-  // The two rows are adjacent, so [q0, q0 + 2 * row bytes) is one stream; reading it PREFETCH_BYTES ahead
-  // keeps more DRAM reads in flight than the hardware prefetcher does for this compute-heavy loop.
-  // Prefetching past the end is harmless (no fault) and warms the next pair.
-  constexpr int64_t PREFETCH_BYTES = 2048;
-  for (int64_t k = 0; k < K; k += 32) {
-    const int64_t g = cur.at(k);
-    _mm_prefetch(reinterpret_cast<const char*>(q0 + (INT4 ? k : 2 * k) + PREFETCH_BYTES), _MM_HINT_T0);
-    const __m256 sv0 = _mm256_set1_ps(half_to_float(s0[g])), sv1 = _mm256_set1_ps(half_to_float(s1[g]));
-    __m256 w0[4], w1[4];
-    if (INT4) {
-      const __m256 mv0 = _mm256_set1_ps(half_to_float(m0[g])), mv1 = _mm256_set1_ps(half_to_float(m1[g]));
-      __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + k / 2));
-      __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + k / 2));
-      __m128i l0 = _mm_and_si128(b0, mask), h0 = _mm_and_si128(_mm_srli_epi16(b0, 4), mask);
-      __m128i l1 = _mm_and_si128(b1, mask), h1 = _mm_and_si128(_mm_srli_epi16(b1, 4), mask);
-      __m128i p0[4] = {l0, _mm_srli_si128(l0, 8), h0, _mm_srli_si128(h0, 8)};
-      __m128i p1[4] = {l1, _mm_srli_si128(l1, 8), h1, _mm_srli_si128(h1, 8)};
-      for (int j = 0; j < 4; ++j) {
-        w0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p0[j])), sv0, mv0);
-        w1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p1[j])), sv1, mv1);
-      }
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        w0[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q0 + k + 8 * j)))), sv0);
-        w1[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q1 + k + 8 * j)))), sv1);
-      }
-    }
+// x[0:K] -> int8 codes xq and per-32 scales sx (x ~= sx * xq); xsum[b] = sx[b] * sum(xq in block b).
+// Round to nearest even (the default MXCSR mode), x * (1 / d) as PyTorch would compute it in float32.
+inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, float* xsum) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4], amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
-      const __m256 xv = _mm256_loadu_ps(x + k + 8 * j);
-      a0[j] = _mm256_fmadd_ps(xv, w0[j], a0[j]);
-      a1[j] = _mm256_fmadd_ps(xv, w1[j], a1[j]);
+      v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[j]));
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m256i qi[4];
+    __m256i total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id)));
+      total = _mm256_add_epi32(total, qi[j]);
+    }
+    // packs work per 128-bit lane; the permutation restores element order
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * b), _mm256_permutevar8x32_epi32(p, order));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    sx[b] = d;
+    xsum[b] = d * static_cast<float>(_mm_cvtsi128_si32(t));
   }
-  *out0 = hsum(_mm256_add_ps(_mm256_add_ps(a0[0], a0[1]), _mm256_add_ps(a0[2], a0[3])));
-  *out1 = hsum(_mm256_add_ps(_mm256_add_ps(a1[0], a1[1]), _mm256_add_ps(a1[2], a1[3])));
+}
+
+// One quantized row against int8 activation codes: per block, sum(q * xq) in integers (maddubs + madd),
+// then one FMA with the product of the two scales. int4's min term is sum_b m_b * xsum_b.
+template <bool INT4>
+inline float dot_q8(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t G, int64_t K, const int8_t* xq,
+                    const float* sx, const float* xsum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float min_term = 0.0f;
+  GroupCursor cur(0, G);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const int64_t g = cur.at(32 * b);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
+    __m256i prod;
+    if (INT4) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
+      const __m256i qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+      prod = _mm256_maddubs_epi16(qv, xv);  // q in [0, 15]: unsigned operand as maddubs wants
+      min_term += half_to_float(mn[g]) * xsum[b];
+    } else {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+      // maddubs multiplies unsigned by signed: move q's sign onto x. |q|, |x| <= 127 cannot saturate int16.
+      prod = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
+    }
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+    const __m256 d = _mm256_set1_ps(half_to_float(s[g]) * sx[b]);
+    if (b & 1) acc1 = _mm256_fmadd_ps(f, d, acc1); else acc0 = _mm256_fmadd_ps(f, d, acc0);
+  }
+  return hsum(_mm256_add_ps(acc0, acc1)) + min_term;
 }
 
 template <bool INT4>
-void qgemv_impl(const float* x, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t N,
-                int64_t G, const float* bias, float* y) {
+void qgemv_q8_impl(const float* x, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t N,
+                   int64_t G, const float* bias, float* y) {
   const int64_t ngroups = K / G;
   const int64_t row_bytes = INT4 ? K / 2 : K;
-  at::parallel_for(0, (N + 1) / 2, 16, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = 2 * p, n1 = std::min(2 * p + 1, N - 1);
-      float r0, r1;
-      gemv_rows2<INT4>(x, K, q + n0 * row_bytes, q + n1 * row_bytes, s + n0 * ngroups, s + n1 * ngroups,
-                       INT4 ? mn + n0 * ngroups : nullptr, INT4 ? mn + n1 * ngroups : nullptr, G, &r0, &r1);
-      y[n0] = r0 + (bias ? bias[n0] : 0.f);
-      if (n1 != n0) y[n1] = r1 + (bias ? bias[n1] : 0.f);
+  std::vector<int8_t> xq(K);
+  std::vector<float> sx(K / 32), xsum(K / 32);
+  quantize_row_q8(x, K, xq.data(), sx.data(), xsum.data());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    // Rows are adjacent, so [n0, n1) is one stream; prefetching ahead keeps more DRAM reads in flight than
+    // the hardware prefetcher does here. Prefetching past the end is harmless (no fault).
+    constexpr int64_t PREFETCH_BYTES = 2048;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = q + n * row_bytes;
+      for (int64_t off = 0; off < row_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + off + PREFETCH_BYTES), _MM_HINT_T0);
+      const float r = dot_q8<INT4>(row, s + n * ngroups, INT4 ? mn + n * ngroups : nullptr, G, K, xq.data(),
+                                   sx.data(), xsum.data());
+      y[n] = r + (bias ? bias[n] : 0.f);
     }
   });
 }
@@ -162,7 +190,18 @@ void qgemv_impl(const float* x, int64_t K, const uint8_t* q, const uint16_t* s, 
 template <bool INT4>
 void qlinear_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
                   int64_t N, int64_t G, const float* bias, float* y) {
-  if (M == 1) return qgemv_impl<INT4>(x, K, q, s, mn, N, G, bias, y);
+  if (M == 1) return qgemv_q8_impl<INT4>(x, K, q, s, mn, N, G, bias, y);
+  // The rows' int8-rounded values, back in float (see the header).
+  std::vector<float> xr(M * K);
+  {
+    std::vector<int8_t> xq(K);
+    std::vector<float> sx(K / 32), xsum(K / 32);
+    for (int64_t m = 0; m < M; ++m) {
+      quantize_row_q8(x + m * K, K, xq.data(), sx.data(), xsum.data());
+      for (int64_t k = 0; k < K; ++k) xr[m * K + k] = sx[k / 32] * static_cast<float>(xq[k]);
+    }
+  }
+  x = xr.data();
   const int64_t ngroups = K / G;
   const int64_t row_bytes = INT4 ? K / 2 : K;
   const int64_t ntiles = (N + NR - 1) / NR;
