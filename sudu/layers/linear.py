@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers (int8, int4) and `quantize_model`, which swaps a network's
 nn.Linear modules for them in place.
 
-Formats (both keep activations and accumulation in float32, so the only error is the weights'):
+Formats (accumulation in float32; see the dispatch below for the activations):
   int8: symmetric, one float16 scale per group of 32 input columns: w = s * q, q in [-127, 127].
         1.06 bytes per weight. Grouped rather than per-channel because it reproduces GGUF's Q8_0 blocks
         exactly (they are copied, not requantized) and keeps requantized Q5_0/Q6_K weights within a few
@@ -10,12 +10,18 @@ Formats (both keep activations and accumulation in float32, so the only error is
         per weight.
 
 Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py for the figures):
-  M <= KERNEL_MAX_ROWS  the native kernel (sudu/kernels): each weight tile is read from memory once per
-                        call and used for every row, so a batch of 8-32 decodes costs little more than 1.
+  M <= KERNEL_MAX_ROWS  decode: the native kernel (sudu/kernels/quant_linear.cpp). Activations are rounded
+                        to int8 in blocks of 32 (llama.cpp's Q8 activations); one row uses integer dot
+                        products, so it is bound by memory rather than by dequantization; 2+ rows share
+                        each dequantized weight tile, read from memory once per call, so a batch of 8-32
+                        costs far less than 8-32 single steps. Results do not depend on M beyond rounding.
   M >  KERNEL_MAX_ROWS  prefill: compute-bound, so dequantize to float32 in slices of output channels and
-                        run float32 GEMMs; the temporary stays under DEQUANT_SLICE_BYTES.
+                        run float32 GEMMs with float32 activations; the temporary stays under
+                        DEQUANT_SLICE_BYTES.
 Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
-PyTorch ops: correct, but decode loses the quantization speed-up.
+PyTorch ops: correct, but decode loses the quantization speed-up. (PyTorch's own packed kernels,
+_weight_int8pack_mm / _weight_int4pack_mm_for_cpu, need bf16 activations, per-channel int8 or their own
+int4 layout, and read the weights once per row on AVX2-only CPUs: see docs/cpu_speed.md.)
 """
 from __future__ import annotations
 
