@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = 32
-KERNEL_MAX_ROWS = 48
+KERNEL_MAX_ROWS = 64  # = the default max_num_seqs: a whole decode batch, lm_head included, stays on the kernel
 DEQUANT_SLICE_BYTES = 64 << 20
 
 
