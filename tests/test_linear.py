@@ -62,9 +62,10 @@ def test_quantization_error_is_bounded_by_the_grid(fmt):
 
 @pytest.mark.parametrize("fmt", L.FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 33, 100])
-def test_output_matches_float_reference_of_dequantized_weights(fmt, rows):
-    _, _, layer = make_layer(fmt)
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+@pytest.mark.parametrize("k", [160, 352])  # 352: 11 blocks, the kernel's 8-wide scale loop plus a tail
+def test_output_matches_float_reference_of_dequantized_weights(fmt, rows, k):
+    _, _, layer = make_layer(fmt, k=k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     torch.testing.assert_close(layer(x), reference(layer, x), atol=ATOL, rtol=0)
 
 
