@@ -148,3 +148,12 @@ def test_quantized_tiny_model_logits_stay_close(tiny_model_dirs, fmt, tol):
             row = ref[len(prompt) - 1 + i]
             assert abs(lp.logprob - row[lp.token_id].item()) < tol
             assert row.max().item() - row[lp.token_id].item() < tol
+
+
+def test_failed_compile_falls_back_with_one_warning(tmp_path, monkeypatch):
+    broken = tmp_path / "quant_linear.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "_SOURCE", broken)
+    monkeypatch.setenv("SUDU_HOME", str(tmp_path / "home"))
+    with pytest.warns(UserWarning, match="native quantized kernels unavailable"):
+        assert kernels._compile() is None
