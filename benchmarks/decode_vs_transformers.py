@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--quantization", default="auto", help="sudu's weight format (auto: its default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, num_threads=args.threads, quantization=args.quantization)
@@ -67,7 +67,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, vals in rows.items():
         print(f"| {name} | {statistics.median(t for t, _ in vals):.2f} | {statistics.median(e for _, e in vals):.2f} |")
-    print(f"\nratio sudu / transformers: {s / h:.2f}x  (model {args.model}, quantization {args.quantization}, "
+    print(f"\nratio sudu / transformers: {s / h:.2f}x  (model {args.model}, sudu weights {llm.engine.quantization}, "
           f"{args.threads} threads)")
 
 

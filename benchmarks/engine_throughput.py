@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--itl-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    # float32 on both sides by default: the comparison isolates the engine (batching, caching, scheduling)
     ap.add_argument("--quantization", default="none")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

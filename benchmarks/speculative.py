@@ -104,11 +104,11 @@ def compare(name: str, plain: LLM, spec: LLM, prompts: dict, n: int, k: int, dra
             print(f"  a={a}: expected speedup {tokens / (k * c + many / one):.2f}x")
 
 
-def batch_switch(model: str, prompt_ids: list[int], n: int, sizes: list[int]) -> None:
+def batch_switch(model: str, prompt_ids: list[int], n: int, sizes: list[int], quantization: str) -> None:
     print("\n## batch size vs n-gram speculation (edit workload, aggregate output tok/s)\n")
     print("| concurrent streams | plain | n-gram | ratio |\n|---|---|---|---|")
-    plain = LLM(model, progress=False)
-    spec = LLM(model, progress=False, speculative="ngram", speculative_max_batch=10 ** 6)
+    plain = LLM(model, progress=False, quantization=quantization)
+    spec = LLM(model, progress=False, quantization=quantization, speculative="ngram", speculative_max_batch=10 ** 6)
     for b in sizes:
         rates = []
         for llm in (plain, spec):
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
-    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--quantization", default="auto")
     args = ap.parse_args()
     torch.set_num_threads(2)
     parts = args.parts.split(",")
@@ -142,7 +142,7 @@ def main() -> None:
         del target, spec
     if "batch" in parts:
         del small
-        batch_switch(SMALL, prompts["edit"], args.tokens // 2, [int(b) for b in args.batch_sizes.split(",")])
+        batch_switch(SMALL, prompts["edit"], args.tokens // 2, [int(b) for b in args.batch_sizes.split(",")], q)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 class EngineConfig:
     model: str = DEFAULT_MODEL  # catalog name, .gguf path or Hugging Face-style directory
     dtype: str = "float32"  # compute dtype of activations and unquantized weights
-    quantization: str = "none"  # weight format of the linear layers: none | int8 | int4 (layers/linear.py)
+    # weight format of the linear layers: auto | none | int8 | int4 (layers/linear.py). auto: int4 for
+    # checkpoints that come quantized (the catalog's GGUFs), none (float) for float checkpoints
+    quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 (per-token, per-head scales; layers/kv_cache.py)
     block_size: int = 16  # tokens per KV block
     # models with sliding-window layers (gemma3): "ring" keeps only each sequence's window for those
@@ -41,6 +43,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.sliding_window_kv not in ("ring", "full"):
             raise ValueError(f"sliding_window_kv must be ring or full, got {self.sliding_window_kv!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):

@@ -157,3 +157,23 @@ def test_failed_compile_falls_back_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("SUDU_HOME", str(tmp_path / "home"))
     with pytest.warns(UserWarning, match="native quantized kernels unavailable"):
         assert kernels._compile() is None
+
+
+def test_auto_format_quantizes_quantized_checkpoints_only(tiny_model_dirs):
+    """--quantization auto: int4 for a checkpoint whose linear weights come quantized (GGUF k-quants),
+    float for a float checkpoint (safetensors)."""
+    from types import SimpleNamespace
+
+    from sudu.layers.linear import AUTO_FORMAT, resolve_format
+    from sudu.weights.loader import load_checkpoint
+
+    float_ckpt = load_checkpoint(str(tiny_model_dirs["qwen2"]), progress=False)
+    assert resolve_format("auto", float_ckpt) == "none"
+    assert resolve_format("int8", float_ckpt) == "int8"
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    kinds = {"model.layers.0.self_attn.q_proj.weight": "Q4_K", "model.norm.weight": "F32"}
+    gguf = SimpleNamespace(format="gguf", tensor_names=lambda: names,
+                           quantized=lambda n: SimpleNamespace(ggml_type=kinds[n]))
+    assert resolve_format("auto", gguf) == AUTO_FORMAT == "int4"
+    kinds["model.layers.0.self_attn.q_proj.weight"] = "F16"
+    assert resolve_format("auto", gguf) == "none"

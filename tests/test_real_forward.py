@@ -61,7 +61,7 @@ def hf_reference(ckpt):
 def test_engine_matches_transformers_on_real_model(name):
     if not is_pulled(get_entry(name)):
         pytest.skip(f"{name} is not in the cache; run `sudu models pull {name}`")
-    llm = LLM(name, progress=False, kv_cache_memory=256 << 20, max_model_len=2048)
+    llm = LLM(name, progress=False, kv_cache_memory=256 << 20, max_model_len=2048, quantization="none")
     tok = llm.tokenizer
     ref = hf_reference(load_checkpoint(name, pull=False, progress=False))
     prompts = [tok.encode(p) for p in PROMPTS]

@@ -21,6 +21,7 @@ from sudu.engine.scheduler import Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
 from sudu.engine.speculative import SpecController, build_drafter, verify_draft
+from sudu.layers.linear import quantize_model, resolve_format
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
 
@@ -55,10 +56,9 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.model_path = ckpt.path
         model = load_network(ckpt.config, ckpt.tensors(DTYPES[config.dtype]), DTYPES[config.dtype])
-        if config.quantization != "none":
-            from sudu.layers.linear import quantize_model
-
-            quantize_model(model, ckpt, config.quantization)
+        self.quantization = resolve_format(config.quantization, ckpt)
+        if self.quantization != "none":
+            quantize_model(model, ckpt, self.quantization)
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len)

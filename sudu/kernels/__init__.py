@@ -60,6 +60,9 @@ def _compile():
 
         path = build_dir()
         path.mkdir(parents=True, exist_ok=True)
+        if not any(path.glob("*.so")):
+            # a long operation: say so (once per machine; later processes load the cached build)
+            print(f"sudu: compiling the quantized-linear kernel into {path} (once, ~30-60 s)...", flush=True)
         return load_extension(
             name="sudu_quant_linear",
             sources=[str(_SOURCE)],
