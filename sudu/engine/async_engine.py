@@ -85,12 +85,9 @@ class AsyncLLMEngine:
     def accepting(self) -> bool:
         return self._accepting
 
-    def check_request(self, num_prompt_tokens: int | list[int], params: SamplingParams) -> int:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise RequestTooLongError / ValueError now for a request that can never run."""
-        if isinstance(num_prompt_tokens, list):
-            return self.engine.check_request(num_prompt_tokens, params)
-        params.validate()
-        return self.engine.resolve_max_tokens(num_prompt_tokens, params)
+        return self.engine.check_request(prompt_token_ids, params)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
 from sudu.engine.sequence import Sequence
 
 
@@ -46,11 +48,16 @@ class SlidingWindowBlocks:
     def __init__(self, num_blocks: int, block_size: int, window: int, max_step_tokens: int):
         self.block_size = block_size
         self.window = window
-        # a step writes up to max_step_tokens new positions while its first query still needs the
-        # window before it: the ring must span both without overwriting a live key
-        self.ring_blocks = -(-(window + max_step_tokens) // block_size) + 1
+        self.ring_blocks = self.ring_len(block_size, window, max_step_tokens)
         self.num_blocks = num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @staticmethod
+    def ring_len(block_size: int, window: int, max_step_tokens: int) -> int:
+        """Blocks in one sequence's ring. A step writes up to max_step_tokens new positions while its
+        first query still needs the window before it: the ring must span both without overwriting a
+        live key."""
+        return -(-(window + max_step_tokens) // block_size) + 1
 
     def needed(self, seq: Sequence, num_tokens: int) -> int:
         return min(self.ring_blocks, -(-num_tokens // self.block_size)) - len(seq.sliding_block_table)
@@ -65,8 +72,6 @@ class SlidingWindowBlocks:
 
     def slots(self, seq: Sequence, start: int, end: int):
         """Ring slots of positions start..end-1 (a torch LongTensor)."""
-        import torch
-
         pos = torch.arange(start, end)
         table = torch.tensor(seq.sliding_block_table, dtype=torch.long)
         return table[(pos // self.block_size) % self.ring_blocks] * self.block_size + pos % self.block_size

@@ -77,13 +77,13 @@ class ModelRunner:
         budget = self._kv_budget_bytes(max_model_len)
         self.sliding_blocks = None
         if ring_layers:
-            ring = SlidingWindowBlocks(0, self.block_size, self.sliding_window, config.max_num_batched_tokens)
+            ring_len = SlidingWindowBlocks.ring_len(self.block_size, self.sliding_window, config.max_num_batched_tokens)
             ring_bytes_per_block = len(ring_layers) * layer_bytes * self.block_size
             # enough rings for every running sequence, but never more than half the budget
-            ring.num_blocks = min(config.max_num_seqs * ring.ring_blocks, budget // 2 // ring_bytes_per_block)
-            ring.free = list(range(ring.num_blocks - 1, -1, -1))
-            budget -= ring.num_blocks * ring_bytes_per_block
-            self.sliding_blocks = ring
+            num_ring_blocks = min(config.max_num_seqs * ring_len, budget // 2 // ring_bytes_per_block)
+            budget -= num_ring_blocks * ring_bytes_per_block
+            self.sliding_blocks = SlidingWindowBlocks(num_ring_blocks, self.block_size, self.sliding_window,
+                                                      config.max_num_batched_tokens)
         global_bytes_per_token = (model_cfg.num_hidden_layers - len(ring_layers)) * layer_bytes
         self.num_blocks = int(budget // (global_bytes_per_token * self.block_size))
         if self.num_blocks < 2 or (self.sliding_blocks is not None and self.sliding_blocks.num_blocks < 2):
