@@ -13,7 +13,7 @@ from sudu.config import EngineConfig, default_num_threads
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
-from sudu.layers.kv_cache import kv_bytes_per_token as kv_cache_bytes
+from sudu.layers.kv_cache import layer_kv_bytes_per_token
 from sudu.layers.kv_cache import make_kv_cache
 from sudu.models import build_model
 from sudu.models.config import ModelConfig
@@ -38,7 +38,7 @@ def available_memory_bytes() -> int:
 def kv_bytes_per_token(model_cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes of KV one token takes across all layers."""
     c = model_cfg
-    return c.num_hidden_layers * kv_cache_bytes(kv_cache_dtype, c.num_key_value_heads, c.head_dim, dtype)
+    return c.num_hidden_layers * layer_kv_bytes_per_token(kv_cache_dtype, c.num_key_value_heads, c.head_dim, dtype)
 
 
 def load_network(model_cfg: ModelConfig, tensors, dtype: torch.dtype) -> torch.nn.Module:
@@ -72,7 +72,7 @@ class ModelRunner:
         sliding_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sliding(i)]
         use_ring = bool(self.sliding_window) and config.sliding_window_kv == "ring"
         ring_layers = set(sliding_layers) if use_ring else set()
-        layer_bytes = kv_cache_bytes(config.kv_cache_dtype, model_cfg.num_key_value_heads, model_cfg.head_dim,
+        layer_bytes = layer_kv_bytes_per_token(config.kv_cache_dtype, model_cfg.num_key_value_heads, model_cfg.head_dim,
                                      self.dtype)
         budget = self._kv_budget_bytes(max_model_len)
         self.sliding_blocks = None

@@ -73,7 +73,7 @@ def make_kv_cache(kind: str, num_slots: int, num_kv_heads: int, head_dim: int, d
     return KVCache(num_slots, num_kv_heads, head_dim, dtype)
 
 
-def kv_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def layer_kv_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one token's K and V take in one layer."""
     cls = Int8KVCache if kind == "int8" else KVCache
     return cls.bytes_per_token(num_kv_heads, head_dim, dtype)
