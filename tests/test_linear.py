@@ -71,17 +71,26 @@ def test_output_matches_float_reference_of_dequantized_weights(fmt, rows, k):
 
 @pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
 @pytest.mark.parametrize("fmt", L.FORMATS)
-def test_kernel_rows_do_not_depend_on_batch_size(fmt):
-    """From 2 rows up the per-row work is identical, so results are bit for bit the same; one row takes
-    the integer-dot path, which sums the same rounded activations in another order: equal within float32
-    rounding."""
-    _, _, layer = make_layer(fmt, n=37)  # 37: a ragged last tile of output channels
-    x = torch.randn(33, 160, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("k", [160, 352])  # 5 and 11 blocks: odd block counts take the kernels' tail paths
+def test_kernel_rows_do_not_depend_on_batch_size(fmt, k):
+    """Every row goes through the same float operations whatever the row count, so a row's result is bit
+    for bit the same alone, in any batch, and on either instruction set (AVX2 or AVX-512 VNNI)."""
+    _, _, layer = make_layer(fmt, n=37, k=k)  # 37: not a multiple of the kernel's row chunks
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(1))
     full = layer(x)
-    for m in range(2, 34):
+    for m in range(1, 34):
         assert torch.equal(layer(x[:m]), full[:m]), m
     single = torch.cat([layer(x[i:i + 1]) for i in range(33)])
-    torch.testing.assert_close(single, full, atol=1e-5, rtol=1e-5)
+    assert torch.equal(single, full)
+    ext = kernels.load()
+    native = ext.isa()
+    try:
+        assert ext.set_isa("avx2") == "avx2"
+        assert torch.equal(layer(x), full)
+        assert torch.equal(layer(x[5:6]), full[5:6])
+    finally:
+        ext.set_isa("native")
+    assert ext.isa() == native
 
 
 def test_dequantized_slices_match_one_shot(monkeypatch):

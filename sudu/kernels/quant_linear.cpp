@@ -9,26 +9,23 @@
 // Scales and mins are float16 (half the bytes of float32, and F16C converts them for free).
 //
 // Why this kernel: decode is bound by reading weights. PyTorch's packed int8/int4 kernels read the
-// weights once per activation row, so a batch of 8 costs 8x. Here each worker dequantizes a tile of
-// NR weight rows x KC columns into an L1-resident float buffer once, then runs every activation row
-// against it: weights cross the memory bus once per step whatever M is, and the multiply-adds are
-// plain float32 FMAs on exactly the dequantized weights (same numbers as the float reference).
+// weights once per activation row, so a batch of 8 costs 8x. Here each weight row is read from memory
+// once per call and multiplied against every activation row while it sits in L1.
 //
 // Activations are rounded to int8 in blocks of 32 (a float scale per block, as llama.cpp's Q8 activations),
-// at every row count, so a row's result does not depend on the batch beyond float rounding:
-//   M == 1   integer dot products (maddubs) of weight and activation codes, one float FMA per block:
-//            ~3x less arithmetic than dequantizing, so one-row decode is bound by memory, not compute.
-//   M >= 2   the rounded activations back in float, against an L1 tile of dequantized weights shared by
-//            every row (the integer trick saves nothing once the dequantization is amortized).
+// and each (weight block, activation block) pair is an integer dot product (AVX2 maddubs + madd, or
+// AVX-512 VNNI vpdpbusd where the CPU has it: the same integers) followed by one float multiply-add with
+// the two blocks' scales. That is ~3x less arithmetic than dequantizing to float, so one-row decode is
+// bound by memory rather than compute, and every row, at every row count and on either instruction set,
+// goes through the same float operations in the same order: a row's result is bit for bit independent of
+// the batch it shares the call with (what makes greedy speculative decoding identical to plain decoding
+// on quantized weights, and batch-1 output identical to batched output).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstdint>
 
 namespace {
-
-constexpr int64_t NR = 4;    // weight rows per tile: x loads are shared by NR FMAs
-constexpr int64_t KC = 512;  // columns per tile: NR * KC floats = 8 KiB stays in L1
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -82,24 +79,6 @@ inline void dequant_int4(const uint8_t* q, const uint16_t* s, const uint16_t* mn
   }
 }
 
-// acc[r] += dot(x[0:kc], w[r][0:kc]) for ROWS activation rows and NR weight rows.
-template <int ROWS>
-inline void tile_dot(const float* x, int64_t ldx, const float* w, int64_t kc, float* acc, int64_t ldacc) {
-  __m256 a[ROWS][NR];
-  for (int i = 0; i < ROWS; ++i)
-    for (int r = 0; r < NR; ++r) a[i][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; k += 8) {
-    __m256 xv[ROWS];
-    for (int i = 0; i < ROWS; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
-    for (int r = 0; r < NR; ++r) {
-      __m256 wv = _mm256_loadu_ps(w + r * KC + k);
-      for (int i = 0; i < ROWS; ++i) a[i][r] = _mm256_fmadd_ps(xv[i], wv, a[i][r]);
-    }
-  }
-  for (int i = 0; i < ROWS; ++i)
-    for (int r = 0; r < NR; ++r) acc[i * ldacc + r] += hsum(a[i][r]);
-}
-
 // x[0:K] -> int8 codes xq and per-32 scales sx (x ~= sx * xq); xsum[b] = sx[b] * sum(xq in block b).
 // Round to nearest even (the default MXCSR mode), x * (1 / d) as PyTorch would compute it in float32.
 inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, float* xsum) {
@@ -133,71 +112,167 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, fl
   }
 }
 
-// Per-block factors of one row: d[b] = weight scale * activation scale, and (int4) the min term
-// sum_b min_b * xsum_b. Hoisted out of the dot product because, done per block inside it, this scalar
-// work (half -> float, multiply, broadcast) cost as much as the integer dot itself. Returns the min term.
-template <bool INT4>
-inline float block_factors(const uint16_t* s, const uint16_t* mn, int64_t G, int64_t nb, const float* sx,
-                           const float* xsum, float* d) {
-  float min_term = 0.0f;
+// One weight row's scales (and int4 mins) as float32, one per 32-column block. The caller zero-pads the
+// buffers to a multiple of 8 blocks, so the min term below needs no tail loop.
+inline void row_scales(const uint16_t* s, const uint16_t* mn, int64_t G, int64_t nb, float* sf, float* mf) {
   int64_t b = 0;
   if (G == 32) {  // one scale per block: convert 8 at a time (F16C)
-    __m256 macc = _mm256_setzero_ps();
     for (; b + 8 <= nb; b += 8) {
-      const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
-      _mm256_storeu_ps(d + b, _mm256_mul_ps(s8, _mm256_loadu_ps(sx + b)));
-      if (INT4) {
-        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b)));
-        macc = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + b), macc);
-      }
+      _mm256_storeu_ps(sf + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b))));
+      if (mn) _mm256_storeu_ps(mf + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b))));
     }
-    min_term = hsum(macc);
   }
   GroupCursor cur(32 * b, G);
   for (; b < nb; ++b) {
     const int64_t g = cur.at(32 * b);
-    d[b] = half_to_float(s[g]) * sx[b];
-    if (INT4) min_term += half_to_float(mn[g]) * xsum[b];
+    sf[b] = half_to_float(s[g]);
+    if (mn) mf[b] = half_to_float(mn[g]);
   }
-  return min_term;
 }
 
-// One quantized row against int8 activation codes: per block, sum(q * xq) in integers (maddubs + madd),
-// then one FMA with the block's factor d[b].
-template <bool INT4>
-inline float dot_q8(const uint8_t* q, int64_t K, const int8_t* xq, const float* d) {
+// int4's min term of one (weight row, activation row): sum_b m_b * xsum_b over the zero-padded blocks.
+inline float min_term(const float* mf, const float* xsum, int64_t nbp) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nbp; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mf + b), _mm256_loadu_ps(xsum + b), acc);
+  return hsum(acc);
+}
+
+// R activation rows (int8 codes xq with row stride ldx, block scales sx with row stride ldsx) against one
+// quantized weight row (block scales sf). Per block: sum(q * xq) in integers (maddubs + madd: 8 int32
+// lanes, each the sum of 4 adjacent products), converted to float and multiplied-added with the block
+// factor sx * sf, even blocks into one accumulator and odd ones into another; out[i] = hsum(acc0 + acc1).
+// The weight block is unpacked once and shared by the R rows, and each row's arithmetic is the same
+// whatever R is, so a row's result does not depend on how many rows share the call (bit for bit).
+template <bool INT4, int R>
+inline void dot_q8_rows(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx,
+                        const float* sx, int64_t ldsx, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i mask = _mm_set1_epi8(0x0F);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
-    __m256i prod;
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, int parity) {
+    __m256i qv, qa;
     if (INT4) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
-      const __m256i qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-      prod = _mm256_maddubs_epi16(qv, xv);  // q in [0, 15]: unsigned operand as maddubs wants
+      qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
     } else {
-      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
-      // maddubs multiplies unsigned by signed: move q's sign onto x. |q|, |x| <= 127 cannot saturate int16.
-      prod = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
+      qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+      qa = _mm256_sign_epi8(qv, qv);
     }
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-    const __m256 db = _mm256_broadcast_ss(d + b);
-    if (b & 1) acc1 = _mm256_fmadd_ps(f, db, acc1); else acc0 = _mm256_fmadd_ps(f, db, acc0);
+    const __m256 sfv = _mm256_broadcast_ss(sf + b);
+    for (int i = 0; i < R; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + 32 * b));
+      // int4: q in [0, 15] is the unsigned operand maddubs wants. int8: move q's sign onto x;
+      // |q|, |x| <= 127 cannot saturate int16.
+      const __m256i prod = INT4 ? _mm256_maddubs_epi16(qv, xv) : _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, qv));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+      const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(sx + i * ldsx + b), sfv);
+      acc[i][parity] = _mm256_fmadd_ps(f, d, acc[i][parity]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, 0);
+    block(b + 1, 1);
   }
-  return hsum(_mm256_add_ps(acc0, acc1));
+  if (b < nb) block(b, 0);
+  for (int i = 0; i < R; ++i) out[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 
+// The same dot products with AVX-512 VNNI, two blocks per 512-bit register: the low half holds the even
+// block (acc0 above), the high half the odd one (acc1). vpdpbusd sums four adjacent u8 x s8 products into
+// each int32 lane, exactly the integers maddubs + madd produce, and every float operation is the one of
+// dot_q8_rows, so results are bit for bit the same on AVX2-only machines and VNNI ones. int4: q in
+// [0, 15] is the unsigned operand. int8: x + 128 (x ^ 0x80) is the unsigned operand, and 128 * sum(q) is
+// subtracted (x + 128 in [1, 255]: exact in int32). Compiled for VNNI by attribute only: the caller
+// dispatches on the running CPU.
+#define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+template <bool INT4, int R>
+SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx,
+                                const float* sx, int64_t ldsx, float* out) {
+  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  // [v[0] x 8, v[1] x 8] from two adjacent floats
+  auto pair_of = [&](const float* v) SUDU_VNNI {
+    return _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v)))));
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    __m512i qv, base = _mm512_setzero_si512();
+    if (INT4) {
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 * b));
+      const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo b, lo b+1, hi b, hi b+1]
+      qv = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));                  // [lo b, hi b, lo b+1, hi b+1]
+    } else {
+      qv = _mm512_loadu_si512(q + 32 * b);
+      base = _mm512_sub_epi32(base, _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qv));
+    }
+    const __m512 sfv = pair_of(sf + b);
+    for (int i = 0; i < R; ++i) {
+      const __m512i xv = _mm512_loadu_si512(xq + i * ldx + 32 * b);
+      const __m512i sum = INT4 ? _mm512_dpbusd_epi32(base, qv, xv) : _mm512_dpbusd_epi32(base, _mm512_xor_si512(xv, flip), qv);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(pair_of(sx + i * ldsx + b), sfv), acc[i]);
+    }
+  }
+  if (b < nb) {  // an odd last block: the low half only
+    __m256i qv, base = _mm256_setzero_si256();
+    if (INT4) {
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
+      qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    } else {
+      qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+      base = _mm256_sub_epi32(base, _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), qv));
+    }
+    const __m256 sfv = _mm256_broadcast_ss(sf + b);
+    for (int i = 0; i < R; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + 32 * b));
+      const __m256i sum = INT4 ? _mm256_dpbusd_epi32(base, qv, xv)
+                               : _mm256_dpbusd_epi32(base, _mm256_xor_si256(xv, _mm256_set1_epi8(char(0x80))), qv);
+      const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(sx + i * ldsx + b), sfv);
+      acc[i] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(sum)), _mm512_castps256_ps512(d), acc[i],
+                                     0x00FF);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    // hsum(acc0 + acc1), written out: hsum itself is compiled for plain AVX2
+    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    out[i] = _mm_cvtss_f32(s);
+  }
+}
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+}
+bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
+
+constexpr int MR = 4;       // rows per AVX2 call: 4 rows x 2 accumulators + temporaries fit 16 ymm registers
+constexpr int MR_VNNI = 8;  // rows per VNNI call: AVX-512 has 32 registers
+
 template <bool INT4>
-void qgemv_q8_impl(const float* x, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t N,
-                   int64_t G, const float* bias, float* y) {
+void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
+                     int64_t N, int64_t G, const float* bias, float* y) {
   const int64_t ngroups = K / G;
+  const int64_t nb = K / 32, nbp = (nb + 7) / 8 * 8;
   const int64_t row_bytes = INT4 ? K / 2 : K;
-  std::vector<int8_t> xq(K);
-  std::vector<float> sx(K / 32), xsum(K / 32);
-  quantize_row_q8(x, K, xq.data(), sx.data(), xsum.data());
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> sx(M * nbp, 0.f), xsum(M * nbp, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row_q8(x + m * K, K, xq.data() + m * K, sx.data() + m * nbp, xsum.data() + m * nbp);
+  const bool vnni = use_vnni;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> d(K / 32);
+    std::vector<float> sf(nbp, 0.f), mf(nbp, 0.f);
+    float out[MR_VNNI];
     // Rows are adjacent, so [n0, n1) is one stream; prefetching ahead keeps more DRAM reads in flight than
     // the hardware prefetcher does here. Prefetching past the end is harmless (no fault).
     constexpr int64_t PREFETCH_BYTES = 2048;
@@ -205,56 +280,37 @@ void qgemv_q8_impl(const float* x, int64_t K, const uint8_t* q, const uint16_t* 
       const uint8_t* row = q + n * row_bytes;
       for (int64_t off = 0; off < row_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + off + PREFETCH_BYTES), _MM_HINT_T0);
-      const float min_term = block_factors<INT4>(s + n * ngroups, INT4 ? mn + n * ngroups : nullptr, G, K / 32,
-                                                 sx.data(), xsum.data(), d.data());
-      y[n] = dot_q8<INT4>(row, K, xq.data(), d.data()) + min_term + (bias ? bias[n] : 0.f);
-    }
-  });
-}
-
-template <bool INT4>
-void qlinear_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
-                  int64_t N, int64_t G, const float* bias, float* y) {
-  if (M == 1) return qgemv_q8_impl<INT4>(x, K, q, s, mn, N, G, bias, y);
-  // The rows' int8-rounded values, back in float (see the header).
-  std::vector<float> xr(M * K);
-  {
-    std::vector<int8_t> xq(K);
-    std::vector<float> sx(K / 32), xsum(K / 32);
-    for (int64_t m = 0; m < M; ++m) {
-      quantize_row_q8(x + m * K, K, xq.data(), sx.data(), xsum.data());
-      for (int64_t k = 0; k < K; ++k) xr[m * K + k] = sx[k / 32] * static_cast<float>(xq[k]);
-    }
-  }
-  x = xr.data();
-  const int64_t ngroups = K / G;
-  const int64_t row_bytes = INT4 ? K / 2 : K;
-  const int64_t ntiles = (N + NR - 1) / NR;
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-    alignas(32) float wbuf[NR * KC];
-    std::vector<float> acc(M * NR);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * NR;
-      const int64_t nr = std::min(NR, N - n0);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        for (int64_t r = 0; r < NR; ++r) {
-          // A ragged last tile repeats its last row: harmless work, no branches in the inner loop.
-          const int64_t n = n0 + std::min(r, nr - 1);
-          if (INT4)
-            dequant_int4(q + n * row_bytes, s + n * ngroups, mn + n * ngroups, G, k0, kc, wbuf + r * KC);
-          else
-            dequant_int8(reinterpret_cast<const int8_t*>(q) + n * row_bytes, s + n * ngroups, G, k0, kc,
-                         wbuf + r * KC);
+      row_scales(s + n * ngroups, INT4 ? mn + n * ngroups : nullptr, G, nb, sf.data(), mf.data());
+      const float bn = bias ? bias[n] : 0.f;
+      int64_t m = 0;
+      auto emit = [&](int rows) {
+        for (int i = 0; i < rows; ++i)
+          y[(m + i) * N + n] = out[i] + (INT4 ? min_term(mf.data(), xsum.data() + (m + i) * nbp, nbp) : 0.f) + bn;
+        m += rows;
+      };
+#define SUDU_DOT(FN, R) FN<INT4, R>(row, nb, sf.data(), xq.data() + m * K, K, sx.data() + m * nbp, nbp, out); emit(R)
+      if (vnni) {
+        while (m + MR_VNNI <= M) { SUDU_DOT(dot_q8_rows_vnni, MR_VNNI); }
+        switch (M - m) {
+          case 7: SUDU_DOT(dot_q8_rows_vnni, 7); break;
+          case 6: SUDU_DOT(dot_q8_rows_vnni, 6); break;
+          case 5: SUDU_DOT(dot_q8_rows_vnni, 5); break;
+          case 4: SUDU_DOT(dot_q8_rows_vnni, 4); break;
+          case 3: SUDU_DOT(dot_q8_rows_vnni, 3); break;
+          case 2: SUDU_DOT(dot_q8_rows_vnni, 2); break;
+          case 1: SUDU_DOT(dot_q8_rows_vnni, 1); break;
+          default: break;
         }
-        int64_t m = 0;
-        // Two rows at most: 2 x NR accumulators + 2 x vectors + 1 weight fit AVX2's 16 ymm registers.
-        for (; m + 2 <= M; m += 2) tile_dot<2>(x + m * K + k0, K, wbuf, kc, acc.data() + m * NR, NR);
-        for (; m < M; ++m) tile_dot<1>(x + m * K + k0, K, wbuf, kc, acc.data() + m * NR, NR);
+      } else {
+        while (m + MR <= M) { SUDU_DOT(dot_q8_rows, MR); }
+        switch (M - m) {
+          case 3: SUDU_DOT(dot_q8_rows, 3); break;
+          case 2: SUDU_DOT(dot_q8_rows, 2); break;
+          case 1: SUDU_DOT(dot_q8_rows, 1); break;
+          default: break;
+        }
       }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t r = 0; r < nr; ++r) y[m * N + n0 + r] = acc[m * NR + r] + (bias ? bias[n0 + r] : 0.f);
+#undef SUDU_DOT
     }
   });
 }
@@ -300,11 +356,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::
   const auto* s_ptr = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   if (int4) {
     TORCH_CHECK(mn.sizes() == s.sizes() && mn.scalar_type() == torch::kHalf && mn.is_contiguous(), "bad mins");
-    qlinear_impl<true>(x.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), s_ptr,
+    qlinear_q8_impl<true>(x.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), s_ptr,
                        reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()), N, group_size, b, y.data_ptr<float>());
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kChar, "int8 weights must be torch.int8");
-    qlinear_impl<false>(x.data_ptr<float>(), M, K, reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s_ptr,
+    qlinear_q8_impl<false>(x.data_ptr<float>(), M, K, reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s_ptr,
                         nullptr, N, group_size, b, y.data_ptr<float>());
   }
   return y;
@@ -326,7 +382,18 @@ torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int
   return out;
 }
 
+// "avx512vnni" or "avx2": the dot-product path qlinear takes. set_isa("avx2") forces the AVX2 path (the
+// tests check both give identical results); set_isa("native") restores the CPU's best.
+std::string isa() { return use_vnni ? "avx512vnni" : "avx2"; }
+std::string set_isa(const std::string& name) {
+  TORCH_CHECK(name == "avx2" || name == "native", "isa must be 'avx2' or 'native'");
+  use_vnni = name == "native" && cpu_has_vnni();
+  return isa();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the dot-product instruction set in use");
+  m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
   m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias");
   m.def("dequantize", &dequantize, "dequant(W) as float32 [N, K]");
 }

@@ -10,14 +10,17 @@ Formats (accumulation in float32; see the dispatch below for the activations):
         per weight.
 
 Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py for the figures):
-  M <= KERNEL_MAX_ROWS  decode: the native kernel (sudu/kernels/quant_linear.cpp). Activations are rounded
-                        to int8 in blocks of 32 (llama.cpp's Q8 activations); one row uses integer dot
-                        products, so it is bound by memory rather than by dequantization; 2+ rows share
-                        each dequantized weight tile, read from memory once per call, so a batch of 8-32
-                        costs far less than 8-32 single steps. Results do not depend on M beyond rounding.
-  M >  KERNEL_MAX_ROWS  prefill: compute-bound, so dequantize to float32 in slices of output channels and
-                        run float32 GEMMs with float32 activations; the temporary stays under
-                        DEQUANT_SLICE_BYTES.
+  M <= KERNEL_MAX_ROWS  the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
+                        blocks of 32 (llama.cpp's Q8 activations), integer dot products against the
+                        quantized weights (AVX2, or AVX-512 VNNI where present), each weight row read from
+                        memory once per call whatever M is. One row is bound by memory bandwidth; a batch
+                        of 8 costs ~4x one row, not 8x. Every row takes the same float operations at every
+                        M and on either instruction set, so results are bit for bit independent of the
+                        batch: greedy speculative decoding stays identical to plain decoding, and chunked
+                        prefill gives the same numbers whatever the chunk size.
+  M >  KERNEL_MAX_ROWS  dequantize to float32 in slices of output channels and run float32 GEMMs with
+                        float32 activations (as fast as the kernel from ~512 rows up); the temporary
+                        stays under DEQUANT_SLICE_BYTES.
 Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
 PyTorch ops: correct, but decode loses the quantization speed-up. (PyTorch's own packed kernels,
 _weight_int8pack_mm / _weight_int4pack_mm_for_cpu, need bf16 activations, per-channel int8 or their own
@@ -38,7 +41,7 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = 32
-KERNEL_MAX_ROWS = 64  # = the default max_num_seqs: a whole decode batch, lm_head included, stays on the kernel
+KERNEL_MAX_ROWS = 512  # = the default max_num_batched_tokens: every engine step stays on the kernel
 DEQUANT_SLICE_BYTES = 64 << 20
 
 
