@@ -162,7 +162,7 @@ def test_quantized_tiny_model_logits_stay_close(tiny_model_dirs, fmt, tol):
 def test_failed_compile_falls_back_with_one_warning(tmp_path, monkeypatch):
     broken = tmp_path / "quant_linear.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(kernels, "_SOURCE", broken)
+    monkeypatch.setattr(kernels, "_SOURCES", [broken])
     monkeypatch.setenv("SUDU_HOME", str(tmp_path / "home"))
     with pytest.warns(UserWarning, match="native quantized kernels unavailable"):
         assert kernels._compile() is None

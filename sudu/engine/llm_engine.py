@@ -15,13 +15,12 @@ import torch
 
 from sudu.config import EngineConfig
 from sudu.engine.block_manager import BlockManager
-from sudu.engine.model_runner import DTYPES, ModelRunner, load_network
+from sudu.engine.model_runner import ModelRunner, prepare_network
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from sudu.engine.scheduler import Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
 from sudu.engine.speculative import SpecController, build_drafter, verify_draft
-from sudu.layers.linear import quantize_model, resolve_format
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
 
@@ -55,10 +54,7 @@ class LLMEngine:
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.model_path = ckpt.path
-        model = load_network(ckpt.config, ckpt.tensors(DTYPES[config.dtype]), DTYPES[config.dtype])
-        self.quantization = resolve_format(config.quantization, ckpt)
-        if self.quantization != "none":
-            quantize_model(model, ckpt, self.quantization)
+        model, self.quantization = prepare_network(ckpt, config)
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len)

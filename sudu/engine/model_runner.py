@@ -60,6 +60,23 @@ def load_network(model_cfg: ModelConfig, tensors, dtype: torch.dtype) -> torch.n
     return model.eval()
 
 
+def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
+    """The checkpoint's network ready to run: loaded in config.dtype, its linear layers quantized to the
+    resolved format, and projections that read the same input (q/k/v, gate/up) fused into one call
+    each. Returns (network, weight format)."""
+    from sudu.layers.linear import quantize_model, resolve_format
+
+    dtype = DTYPES[config.dtype]
+    model = load_network(ckpt.config, ckpt.tensors(dtype), dtype)
+    fmt = resolve_format(config.quantization, ckpt)
+    if fmt != "none":
+        quantize_model(model, ckpt, fmt)
+    for module in model.modules():
+        if hasattr(module, "fuse_projections"):
+            module.fuse_projections()
+    return model, fmt
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, max_model_len: int):
         self.config = config

@@ -133,8 +133,7 @@ class DraftModelDrafter:
     def __init__(self, model: str, target_tokenizer, target_config, engine_config, target_pool_tokens: int):
         import dataclasses
 
-        from sudu.engine.model_runner import DTYPES, ModelRunner, kv_bytes_per_token, load_network
-        from sudu.layers.linear import quantize_model, resolve_format
+        from sudu.engine.model_runner import DTYPES, ModelRunner, kv_bytes_per_token, prepare_network
         from sudu.weights.loader import load_checkpoint
 
         ckpt = load_checkpoint(model, pull=True, progress=True)
@@ -143,10 +142,7 @@ class DraftModelDrafter:
                             "speculative decoding needs identical vocabularies")
         self.vocab_size = target_config.vocab_size
         dtype = DTYPES[engine_config.dtype]
-        net = load_network(ckpt.config, ckpt.tensors(dtype), dtype)
-        fmt = resolve_format(engine_config.quantization, ckpt)
-        if fmt != "none":
-            quantize_model(net, ckpt, fmt)
+        net, _ = prepare_network(ckpt, engine_config)
         max_len = min(ckpt.config.max_position_embeddings, target_config.max_position_embeddings)
         # room to shadow every token the target's pool can hold, plus the drafts in flight
         pool_bytes = (target_pool_tokens + 64 * engine_config.block_size) * kv_bytes_per_token(ckpt.config, dtype, engine_config.kv_cache_dtype)

@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use.
 
-`load()` returns the compiled `quant_linear` extension (see quant_linear.cpp), or None when it cannot
+`load()` returns the compiled extension (bindings.cpp: quant_linear.cpp's quantized linear layers and
+attention.cpp's attention over the paged KV pool), or None when it cannot
 be used: `SUDU_NO_EXT=1`, a CPU without AVX2/FMA, or a failed compile. Callers then take the PyTorch
 path; a failure is reported once as a one-line warning, never raised, because the extension is a speed
 lever, not a requirement. The build is cached under $SUDU_HOME/torch_extensions so only the first
@@ -8,6 +9,7 @@ process pays the ~30-60 s compile.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -16,11 +18,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("quant_linear.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "attention.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_has_avx2_fma() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -32,7 +35,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 def build_dir() -> Path:
     home = Path(os.environ.get("SUDU_HOME") or "~/.cache/sudu").expanduser()
-    return home / "torch_extensions" / "quant_linear"
+    return home / "torch_extensions" / "sudu_kernels"
 
 
 def disabled_reason() -> str | None:
@@ -62,10 +65,10 @@ def _compile():
         path.mkdir(parents=True, exist_ok=True)
         if not any(path.glob("*.so")):
             # a long operation: say so (once per machine; later processes load the cached build)
-            print(f"sudu: compiling the quantized-linear kernel into {path} (once, ~30-60 s)...", flush=True)
+            print(f"sudu: compiling the native kernels into {path} (once, ~30-60 s)...", flush=True)
         return load_extension(
-            name="sudu_quant_linear",
-            sources=[str(_SOURCE)],
+            name="sudu_kernels",
+            sources=[str(p) for p in _SOURCES],
             # No -march=native: the cached build must run on any AVX2 machine that shares $SUDU_HOME.
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -390,10 +390,3 @@ std::string set_isa(const std::string& name) {
   use_vnni = name == "native" && cpu_has_vnni();
   return isa();
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isa", &isa, "the dot-product instruction set in use");
-  m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
-  m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias");
-  m.def("dequantize", &dequantize, "dequant(W) as float32 [N, K]");
-}

@@ -4,8 +4,9 @@ The pool of one layer is a KVCache (layers/kv_cache.py) of [num_slots, num_kv_he
 slot = block_id * block_size + offset. The model runner describes each forward pass in an
 AttentionMetadata: per group of layers (global; sliding-window), where the new tokens' K/V go
 (slot_mapping) and, per sequence, which slots hold the keys it may see. Sequences with few new tokens
-(decodes, speculative verification, short chunks) are batched into one padded attention call; longer
-prefill chunks attend one by one.
+(decodes, speculative verification, short chunks) are attended together in one call: the native kernel
+(kernels/attention.cpp) reads their keys straight from the pool, each query row on its own; without it,
+one padded SDPA call over gathered copies. Longer prefill chunks attend one by one through SDPA.
 """
 from __future__ import annotations
 
@@ -14,7 +15,39 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sudu.layers.kv_cache import KVCache
+from sudu import kernels
+from sudu.layers.kv_cache import Int8KVCache, KVCache
+from sudu.layers.linear import fuse_linears
+
+_EMPTY = torch.empty(0, dtype=torch.float16)
+
+
+def decode_kernel(q: torch.Tensor, cache: KVCache):
+    """The native kernel (kernels/attention.cpp) for this call's few-new-token sequences, or None: it takes
+    float32 queries over a float32 or int8 pool with a head size that is a multiple of 8; otherwise (or
+    without the extension) they go through index_select + SDPA."""
+    if q.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.int8) or q.shape[-1] % 8:
+        return None
+    ext = kernels.load()
+    return None if ext is None else ext.decode_attention
+
+
+class QKVProjections:
+    """Mixin for attention modules with q_proj, k_proj and v_proj reading the same input; after loading,
+    fuse_projections() replaces them with one qkv_proj (one call instead of three)."""
+
+    def fuse_projections(self) -> None:
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, (heads + 2 * kv_heads) * head_dim]: q, k and v side by side."""
+        fused = getattr(self, "qkv_proj", None)  # not a class attribute: nn.Module keeps submodules apart
+        if fused is not None:
+            return fused(x)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
 
 @dataclass
@@ -131,7 +164,7 @@ def paged_attention(
     view = meta.sliding if sliding and meta.sliding is not None else meta.full
     cache = meta.kv_caches[layer_idx]
     cache.write(view.slot_mapping, k, v)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     for s in view.seqs:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
         ks, vs = cache.read(s.key_slots, q.dtype)  # [keys, Hkv, D]
@@ -142,7 +175,11 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     d = view.decode
-    if d is not None:
+    kernel = decode_kernel(q, cache) if d is not None else None
+    if kernel is not None:
+        ks, vs = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (_EMPTY, _EMPTY)
+        kernel(q, cache.k, cache.v, ks, vs, d.rows, d.slots, d.mask[:, 0], scale, out)
+    elif d is not None:
         B, max_q = d.rows.shape
         valid = d.rows.reshape(-1) >= 0
         qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, *q.shape[1:]).transpose(1, 2)

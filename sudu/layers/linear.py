@@ -129,12 +129,12 @@ class QuantizedLinear(nn.Module):
         return dequantize_torch(self.fmt, self.qweight, self.scales, self.mins, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:  # the engine's case: no reshapes, no casts
+            if self._ext is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+                return self._ext.qlinear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+            return self._dequantized_gemm(x)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).float()
-        if self._ext is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
-            y = self._ext.qlinear(x2, self.qweight, self.scales, self.mins, self.group_size, self.bias)
-        else:
-            y = self._dequantized_gemm(x2)
+        y = self.forward(x.reshape(-1, self.in_features).float())
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def _dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +157,36 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
+
+
+def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
+    """One layer computing the given layers' outputs side by side (concatenated along the last dim), for
+    layers that read the same input: q/k/v, gate/up. Fewer, larger calls: less per-call overhead, and the
+    activations are read (and, quantized, rounded to int8) once. Each output column is computed exactly as
+    before: the quantized kernel's rows do not interact, and float32 GEMM columns do not either. Returns
+    None when the layers cannot be fused (mixed kinds or formats)."""
+    first = layers[0]
+    if all(type(m) is nn.Linear for m in layers):
+        if len({(m.in_features, m.weight.dtype) for m in layers}) != 1:
+            return None
+        fused = nn.Linear(first.in_features, sum(m.out_features for m in layers),
+                          bias=any(m.bias is not None for m in layers), dtype=first.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([m.weight for m in layers]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                            for m in layers]))
+        return fused.eval().requires_grad_(False)
+    if all(isinstance(m, QuantizedLinear) for m in layers):
+        if len({(m.fmt, m.in_features, m.group_size) for m in layers}) != 1:
+            return None
+        bias = None
+        if any(m.bias is not None for m in layers):
+            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
+        mins = torch.cat([m.mins for m in layers]) if first.fmt == "int4" else None
+        return QuantizedLinear(first.fmt, torch.cat([m.qweight for m in layers]), torch.cat([m.scales for m in layers]),
+                               mins, bias, first.in_features, first.group_size)
+    return None
 
 
 # What `--quantization auto` (the default) picks for a checkpoint whose weights are already quantized

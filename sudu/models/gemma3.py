@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sudu.layers.attention import AttentionMetadata, paged_attention
+from sudu.layers.attention import AttentionMetadata, QKVProjections, paged_attention
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, apply_rotary
 from sudu.models.config import ModelConfig
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(QKVProjections, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -31,10 +31,9 @@ class Gemma3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=True)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
-        T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        T, H, Hk = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.project_qkv(x).view(T, H + 2 * Hk, self.head_dim)
+        q, k, v = self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + Hk]), qkv[:, H + Hk:]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, sliding=self.sliding)
         return self.o_proj(o.reshape(T, -1))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sudu.layers.attention import AttentionMetadata, paged_attention
+from sudu.layers.attention import AttentionMetadata, QKVProjections, paged_attention
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, apply_rotary
 from sudu.models.config import ModelConfig
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(QKVProjections, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -27,12 +27,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, sliding=False)
+        T, H, Hk = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.project_qkv(x).view(T, H + 2 * Hk, self.head_dim)
+        qk = apply_rotary(qkv[:, :H + Hk], cos, sin)  # q and k heads rotated in one pass
+        o = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hk:], self.layer_idx, meta, self.scale, sliding=False)
         return self.o_proj(o.reshape(T, -1))
 
 

@@ -1,0 +1,181 @@
+// Attention of a few new tokens per sequence over the paged KV pool (decodes, speculative verification,
+// short chunks): what layers/attention.py's padded path computes with index_select + SDPA, without
+// gathering K and V into padded copies first, and with each query row computed on its own.
+//
+// Inputs (float32 unless noted):
+//   q      [T, H, D]  any row/head strides, unit stride within a head
+//   kc, vc [S, Hkv, D]  the layer's pool: float32, or int8 with float16 scales ks, vs [S, Hkv]
+//   rows   int64 [B, Q]  row of each sequence's i-th new token in q / out, -1 = padding
+//   slots  int64 [B, L]  slots of the keys each sequence may see, in position order
+//   mask   bool  [B, Q, L]  true = attend (causal, sliding window)
+// out [T, H, D] (contiguous) gets softmax(q k^T * scale) v for every valid row.
+//
+// Work is split by (sequence, kv head): each key and value vector is read once for the query heads that
+// share it (GQA). Per query row: scores for the keys in the mask's span (masked ones inside it -inf), max,
+// exp (vectorized, ~1 ulp), sum, then the weighted values in key order. A row's result depends only on
+// its own query and keys, never on the other rows or sequences in the call: speculative verification of k
+// tokens gives bit for bit what k plain decode steps give.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 float32 or int8 values as floats
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// exp(x) for 8 floats: exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by a degree-6
+// polynomial (Cephes' coefficients); relative error ~1e-7. x below -87.3 (including -inf) gives 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+template <typename KV>
+void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_stride, const KV* kc, const KV* vc,
+                           const uint16_t* ks, const uint16_t* vs, int64_t Hkv, int64_t D, const int64_t* rows,
+                           int64_t B, int64_t Q, const int64_t* slots, int64_t L, const bool* mask, int64_t H,
+                           float scale, float* out) {
+  const int64_t G = H / Hkv;  // query heads per kv head
+  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(G * L), acc(G * D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / Hkv, g = t % Hkv;
+      const int64_t* seq_slots = slots + b * L;
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t row = rows[b * Q + i];
+        if (row < 0) continue;
+        const bool* m = mask + (b * Q + i) * L;
+        int64_t lo = 0, hi = L;
+        while (lo < L && !m[lo]) ++lo;
+        while (hi > lo && !m[hi - 1]) --hi;
+        if (lo == hi) {  // sees no key (cannot happen for a real token): zeros, as a fully masked softmax
+          for (int64_t h = 0; h < G; ++h) std::fill_n(out + (row * H + g * G + h) * D, D, 0.f);
+          continue;
+        }
+        const float* qrow = q + row * q_row_stride + g * G * q_head_stride;
+        // scores: each key vector once, against the G query heads
+        for (int64_t j = lo; j < hi; ++j) {
+          const int64_t off = seq_slots[j] * Hkv + g;
+          const KV* k = kc + off * D;
+          const float kscale = ks ? _cvtsh_ss(ks[off]) * scale : scale;
+          for (int64_t h = 0; h < G; ++h) {
+            const float* qh = qrow + h * q_head_stride;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
+            score[h * L + j] = m[j] ? hsum8(a) * kscale : NEG_INF;
+          }
+        }
+        // softmax per head over [lo, hi)
+        std::vector<float> inv_sum(G);
+        for (int64_t h = 0; h < G; ++h) {
+          float* s = score.data() + h * L;
+          float mx = NEG_INF;
+          for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, s[j]);
+          const __m256 mxv = _mm256_set1_ps(mx);
+          __m256 sum = _mm256_setzero_ps();
+          int64_t j = lo;
+          for (; j + 8 <= hi; j += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
+            _mm256_storeu_ps(s + j, p);
+            sum = _mm256_add_ps(sum, p);
+          }
+          float tail = 0.f;
+          if (j < hi) {  // the last < 8 keys through the same exp, on a padded copy
+            alignas(32) float buf[8];
+            for (int64_t u = 0; u < 8; ++u) buf[u] = j + u < hi ? s[j + u] - mx : NEG_INF;
+            _mm256_store_ps(buf, exp8(_mm256_load_ps(buf)));
+            for (int64_t u = 0; j + u < hi; ++u) {
+              s[j + u] = buf[u];
+              tail += buf[u];
+            }
+          }
+          inv_sum[h] = 1.0f / (hsum8(sum) + tail);
+        }
+        // weighted values: each value vector once, into the G accumulators, in key order
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = lo; j < hi; ++j) {
+          const int64_t off = seq_slots[j] * Hkv + g;
+          const KV* v = vc + off * D;
+          const float vscale = vs ? _cvtsh_ss(vs[off]) : 1.f;
+          for (int64_t h = 0; h < G; ++h) {
+            const float p = score[h * L + j];
+            if (p == 0.f) continue;
+            const __m256 pv = _mm256_set1_ps(p * vscale);
+            float* a = acc.data() + h * D;
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(a + d)));
+          }
+        }
+        for (int64_t h = 0; h < G; ++h) {
+          const __m256 inv = _mm256_set1_ps(inv_sum[h]);
+          float* o = out + (row * H + g * G + h) * D;
+          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + h * D + d), inv));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Writes into out; see the header for the arguments. ks / vs: float16 [S, Hkv] scales for an int8 pool,
+// empty tensors for a float32 one.
+void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
+                      torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1, "q must be float32 [T, H, D]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat, "bad out");
+  TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "bad pool");
+  TORCH_CHECK(rows.dim() == 2 && slots.dim() == 2 && mask.dim() == 3 && rows.is_contiguous() && slots.is_contiguous() &&
+              mask.is_contiguous() && mask.scalar_type() == torch::kBool, "bad metadata");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = kc.size(1), B = rows.size(0), Q = rows.size(1), L = slots.size(1);
+  TORCH_CHECK(kc.size(2) == D && D % 8 == 0 && H % Hkv == 0, "head sizes do not match");
+  TORCH_CHECK(slots.size(0) == B && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == L, "metadata shapes");
+  const bool quantized = kc.scalar_type() == torch::kChar;
+  const uint16_t* kss = nullptr;
+  const uint16_t* vss = nullptr;
+  if (quantized) {
+    TORCH_CHECK(ks.scalar_type() == torch::kHalf && ks.is_contiguous() && vs.is_contiguous() &&
+                ks.numel() == kc.size(0) * Hkv && vs.numel() == ks.numel(), "int8 pool needs float16 scales [S, Hkv]");
+    kss = reinterpret_cast<const uint16_t*>(ks.data_ptr<at::Half>());
+    vss = reinterpret_cast<const uint16_t*>(vs.data_ptr<at::Half>());
+    decode_attention_impl<int8_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), kc.data_ptr<int8_t>(),
+                                  vc.data_ptr<int8_t>(), kss, vss, Hkv, D, rows.data_ptr<int64_t>(), B, Q,
+                                  slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale),
+                                  out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(kc.scalar_type() == torch::kFloat, "pool must be float32 or int8");
+    decode_attention_impl<float>(q.data_ptr<float>(), q.stride(0), q.stride(1), kc.data_ptr<float>(),
+                                 vc.data_ptr<float>(), nullptr, nullptr, Hkv, D, rows.data_ptr<int64_t>(), B, Q,
+                                 slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale),
+                                 out.data_ptr<float>());
+  }
+}

@@ -1,0 +1,21 @@
+// The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers) and
+// attention.cpp (attention of few new tokens over the paged KV pool).
+#include <torch/extension.h>
+
+#include <string>
+
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size,
+                      c10::optional<torch::Tensor> bias);
+torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size);
+std::string isa();
+std::string set_isa(const std::string& name);
+void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
+                      torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias");
+  m.def("dequantize", &dequantize, "dequant(W) as float32 [N, K]");
+  m.def("isa", &isa, "the dot-product instruction set qlinear uses");
+  m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
+  m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out");
+}

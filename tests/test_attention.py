@@ -1,0 +1,80 @@
+"""The native attention kernel for few-new-token sequences (kernels/attention.cpp) against the PyTorch path
+it replaces (index_select + SDPA), on random pools: GQA, sliding windows, padding, float32 and int8 pools."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sudu import kernels
+from sudu.layers import attention as A
+from sudu.layers.kv_cache import make_kv_cache
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+
+
+def scenario(kind: str, heads=6, kv_heads=2, head_dim=24, window=None, seed=0):
+    """Four sequences with 1-5 new tokens over 1-70 cached ones, in a pool of 256 shuffled slots."""
+    g = torch.Generator().manual_seed(seed)
+    cache = make_kv_cache(kind, 256, kv_heads, head_dim, torch.float32)
+    order = torch.randperm(256, generator=g)
+    q_lens, ctx_slots, used = [1, 5, 3, 1], [], 0
+    for q_len, ctx in zip(q_lens, [1, 70, 17, 40]):
+        ctx_slots.append(order[used:used + ctx + q_len])
+        used += ctx + q_len
+    prior = torch.cat([s[:-q] for s, q in zip(ctx_slots, q_lens)])
+    cache.write(prior, torch.randn(len(prior), kv_heads, head_dim, generator=g),
+                torch.randn(len(prior), kv_heads, head_dim, generator=g))
+    meta = A.build_metadata(q_lens, ctx_slots, [cache], window)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, head_dim, generator=g)
+    k = torch.randn(T, kv_heads, head_dim, generator=g)
+    v = torch.randn(T, kv_heads, head_dim, generator=g)
+    return q, k, v, meta
+
+
+def run(q, k, v, meta, native: bool, monkeypatch):
+    with monkeypatch.context() as m:
+        if not native:
+            m.setattr(A, "decode_kernel", lambda q, cache: None)
+        return A.paged_attention(q, k, v, 0, meta, 0.3, sliding=meta.sliding is not None)
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_native_decode_matches_sdpa(kind, window, monkeypatch):
+    q, k, v, meta = scenario(kind, window=window)
+    assert meta.full.decode is not None and not meta.full.seqs  # every sequence takes the batched path
+    expected = run(q, k, v, meta, False, monkeypatch)
+    got = run(q, k, v, meta, True, monkeypatch)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_native_decode_reads_a_strided_query_of_a_fused_projection(monkeypatch):
+    """The llama layer hands over q as a slice of the fused q/k projection output (rows not contiguous)."""
+    q, k, v, meta = scenario("auto")
+    qk = torch.cat([q, k], dim=1)
+    strided = qk[:, :q.shape[1]]
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(run(strided, k, v, meta, True, monkeypatch), run(q, k, v, meta, False, monkeypatch),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(monkeypatch):
+    """Bit for bit: a sequence's output is the same alone as among others, and a verification row is the
+    same as the decode row at that position (what keeps greedy speculative decoding identical)."""
+    q, k, v, meta = scenario("auto")
+    together = run(q, k, v, meta, True, monkeypatch)
+    # sequence 1 (5 new tokens, rows 1-5) alone, and its 3rd token as a one-token decode
+    seq1 = A.build_metadata([5], [meta_slots(meta, 1)], meta.kv_caches, None)
+    alone = run(q[1:6], k[1:6], v[1:6], seq1, True, monkeypatch)
+    assert torch.equal(alone, together[1:6])
+    slots = meta_slots(meta, 1)
+    third = A.build_metadata([1], [slots[:len(slots) - 2]], meta.kv_caches, None)
+    assert torch.equal(run(q[3:4], k[3:4], v[3:4], third, True, monkeypatch), together[3:4])
+
+
+def meta_slots(meta, b: int) -> torch.Tensor:
+    """Sequence b's context slots, read back from the decode batch (its unpadded keys)."""
+    d = meta.full.decode
+    n = int(d.mask[b, 0].sum(-1).max())
+    return d.slots[b, :n].clone()
