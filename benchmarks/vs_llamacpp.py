@@ -179,9 +179,10 @@ def main() -> None:
                   ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()), flush=True)
 
     bandwidth = measure_bandwidth_gbs(threads=args.threads)
-    fmt = {"none": "fp32"}.get(args.quantization, args.quantization)
+    resolved = sides["sudu"].llm.engine.quantization  # what --quantization auto chose
+    fmt = {"none": "fp32"}.get(resolved, resolved)
     limit = bandwidth * 1e9 / bytes_per_token(ckpt.config, fmt)
-    print(f"\n{args.model}, sudu --quantization {args.quantization}, {args.threads} threads, "
+    print(f"\n{args.model}, sudu --quantization {args.quantization} ({resolved}), {args.threads} threads, "
           f"median of {args.repeat}; llama.cpp batches via llama_batch with one seq id per sequence")
     print(f"| metric (tok/s) | sudu | llama.cpp | sudu / llama.cpp |\n|---|---:|---:|---:|")
     for metric in results["sudu"]:

@@ -26,7 +26,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None -> the model's context length, at most 32768
     max_num_seqs: int = 64  # sequences in the running batch
     max_num_batched_tokens: int = 512  # tokens per forward pass (prefill chunks + decodes)
-    prefill_chunk_when_decoding: int = 48  # prompt tokens per step while others decode (bounds their ITL)
+    # prompt tokens per step while others decode (bounds their ITL); 0 = auto: sized from measured step
+    # times so a step carrying a prompt chunk costs at most max_itl_factor x a decode-only step
+    prefill_chunk_when_decoding: int = 0
+    max_itl_factor: float = 2.0
     enable_prefix_caching: bool = True
     speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
     num_speculative_tokens: int = 4  # most draft tokens per sequence per step (adapted per sequence)
@@ -41,8 +44,14 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
+        if self.prefill_chunk_when_decoding < 0:
+            raise ValueError("prefill_chunk_when_decoding must be >= 0 (0 = auto)")
+        if self.max_itl_factor <= 1.0:
+            raise ValueError("max_itl_factor must be > 1")
+        if not 1 <= self.num_speculative_tokens <= 7:
+            # k drafts + 1 verified rows must fit the native attention kernel (NATIVE_MAX_Q = 8), whose rows
+            # do not depend on each other: what keeps greedy verification identical to plain decoding
+            raise ValueError("num_speculative_tokens must be between 1 and 7")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.sliding_window_kv not in ("ring", "full"):
@@ -91,6 +100,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             parse = _parse_bytes
         elif "int" in kind:
             parse = int
+        elif "float" in kind:
+            parse = float
         else:
             parse = str
         group.add_argument(flag, dest=f.name, type=parse, default=f.default, help=f"(default: {f.default})")

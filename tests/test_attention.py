@@ -13,11 +13,11 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels u
 
 
 def scenario(kind: str, heads=6, kv_heads=2, head_dim=24, window=None, seed=0):
-    """Four sequences with 1-5 new tokens over 1-70 cached ones, in a pool of 256 shuffled slots."""
+    """Four sequences with 1-NATIVE_MAX_Q new tokens over 1-70 cached ones, in a pool of 256 shuffled slots."""
     g = torch.Generator().manual_seed(seed)
     cache = make_kv_cache(kind, 256, kv_heads, head_dim, torch.float32)
     order = torch.randperm(256, generator=g)
-    q_lens, ctx_slots, used = [1, 5, 3, 1], [], 0
+    q_lens, ctx_slots, used = [1, A.NATIVE_MAX_Q, 3, 1], [], 0
     for q_len, ctx in zip(q_lens, [1, 70, 17, 40]):
         ctx_slots.append(order[used:used + ctx + q_len])
         used += ctx + q_len
@@ -35,7 +35,7 @@ def scenario(kind: str, heads=6, kv_heads=2, head_dim=24, window=None, seed=0):
 def run(q, k, v, meta, native: bool, monkeypatch):
     with monkeypatch.context() as m:
         if not native:
-            m.setattr(A, "decode_kernel", lambda q, cache: None)
+            m.setattr(A, "decode_kernel", lambda q, cache, max_q: None)
         return A.paged_attention(q, k, v, 0, meta, 0.3, sliding=meta.sliding is not None)
 
 
@@ -64,12 +64,13 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(monkeypatch):
     same as the decode row at that position (what keeps greedy speculative decoding identical)."""
     q, k, v, meta = scenario("auto")
     together = run(q, k, v, meta, True, monkeypatch)
-    # sequence 1 (5 new tokens, rows 1-5) alone, and its 3rd token as a one-token decode
-    seq1 = A.build_metadata([5], [meta_slots(meta, 1)], meta.kv_caches, None)
-    alone = run(q[1:6], k[1:6], v[1:6], seq1, True, monkeypatch)
-    assert torch.equal(alone, together[1:6])
+    n = A.NATIVE_MAX_Q  # sequence 1: n new tokens, rows 1..n
+    seq1 = A.build_metadata([n], [meta_slots(meta, 1)], meta.kv_caches, None)
+    alone = run(q[1:n + 1], k[1:n + 1], v[1:n + 1], seq1, True, monkeypatch)
+    assert torch.equal(alone, together[1:n + 1])
+    # its 3rd new token (row 3) as a one-token decode
     slots = meta_slots(meta, 1)
-    third = A.build_metadata([1], [slots[:len(slots) - 2]], meta.kv_caches, None)
+    third = A.build_metadata([1], [slots[:len(slots) - (n - 3)]], meta.kv_caches, None)
     assert torch.equal(run(q[3:4], k[3:4], v[3:4], third, True, monkeypatch), together[3:4])
 
 

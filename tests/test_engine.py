@@ -294,3 +294,24 @@ def test_gemma_sliding_layers_keep_only_their_window(llms, tiny_model_dirs):
     assert got == [reference_greedy(hf, p, 20) for p in prompts]
     assert got == [r.token_ids for r in full.generate(prompts, params)]
     assert len(sliding.free) == sliding.num_blocks
+
+
+def test_auto_chunk_budget_keeps_mixed_steps_within_the_itl_factor():
+    """prefill_chunk_when_decoding = 0 (auto): the chunk is sized from measured step times so a mixed step
+    costs about max_itl_factor x a decode-only step, and follows the per-token cost as it changes."""
+    from sudu.engine.scheduler import ChunkBudget
+
+    b = ChunkBudget(0, ceiling=512, itl_factor=2.5, alpha=1.0)
+    assert b.tokens() == ChunkBudget.INITIAL  # nothing timed yet
+    b.observe(num_decodes=0, num_prefill_tokens=512, seconds=9.0)  # prefill alone: no decoder to protect
+    assert b.tokens() == ChunkBudget.INITIAL
+    b.observe(num_decodes=4, num_prefill_tokens=0, seconds=0.040)
+    b.observe(num_decodes=4, num_prefill_tokens=16, seconds=0.040 + 16 * 0.004)
+    assert b.tokens() == 15  # (2.5 - 1) * 40 ms / 4 ms per token
+    b.observe(num_decodes=4, num_prefill_tokens=15, seconds=0.040 + 15 * 0.010)  # longer context: dearer tokens
+    assert b.tokens() == 6
+    b.observe(num_decodes=4, num_prefill_tokens=6, seconds=0.040 + 6 * 0.0001)
+    assert b.tokens() == 512  # cheap tokens: up to the step's whole budget
+    b.observe(num_decodes=4, num_prefill_tokens=6, seconds=1.0)
+    assert b.tokens() == ChunkBudget.FLOOR  # never starves the prompt
+    assert ChunkBudget(48, ceiling=512).tokens() == 48  # a fixed setting is used as is

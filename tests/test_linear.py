@@ -44,8 +44,11 @@ def reference(layer, x):
     """float32 product with the layer's dequantized weights; through the native kernel the activations
     are first rounded to int8 blocks (quant_linear.cpp), so the reference rounds them the same way."""
     w = L.dequantize_torch(layer.fmt, layer.qweight, layer.scales, layer.mins, layer.group_size)
-    if layer._ext is not None and x.shape[0] <= L.KERNEL_MAX_ROWS:
+    if layer._ext is not None and x.shape[0] < L.PREFILL_MIN_ROWS:
         x = round_activations_q8(x)
+    elif layer._ext is not None and L.PREFILL_DTYPE != torch.float32:  # prefill GEMM in bfloat16
+        y = F.linear(x.to(L.PREFILL_DTYPE), w.to(L.PREFILL_DTYPE)).float()
+        return y if layer.bias is None else y + layer.bias
     return F.linear(x, w, layer.bias)
 
 
@@ -61,7 +64,7 @@ def test_quantization_error_is_bounded_by_the_grid(fmt):
 
 
 @pytest.mark.parametrize("fmt", L.FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 33, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 33, 100, 300])  # 300: the prefill GEMM path
 @pytest.mark.parametrize("k", [160, 352])  # 352: 11 blocks, the kernel's 8-wide scale loop plus a tail
 def test_output_matches_float_reference_of_dequantized_weights(fmt, rows, k):
     _, _, layer = make_layer(fmt, k=k)
@@ -95,7 +98,7 @@ def test_kernel_rows_do_not_depend_on_batch_size(fmt, k):
 
 def test_dequantized_slices_match_one_shot(monkeypatch):
     _, _, layer = make_layer("int4", n=50)
-    x = torch.randn(L.KERNEL_MAX_ROWS + 5, 160)
+    x = torch.randn(L.PREFILL_MIN_ROWS + 5, 160)
     whole = layer(x)
     monkeypatch.setattr(L, "DEQUANT_SLICE_BYTES", 160 * 4 * 7)  # slices of 7 output channels
     torch.testing.assert_close(layer(x), whole, atol=ATOL, rtol=0)
@@ -186,3 +189,11 @@ def test_auto_format_quantizes_quantized_checkpoints_only(tiny_model_dirs):
     assert resolve_format("auto", gguf) == AUTO_FORMAT == "int4"
     kinds["model.layers.0.self_attn.q_proj.weight"] = "F16"
     assert resolve_format("auto", gguf) == "none"
+
+
+@pytest.mark.parametrize("fmt", L.FORMATS)
+def test_bfloat16_dequantization_rounds_like_pytorch(fmt):
+    """The prefill path dequantizes straight to bfloat16 (kernel) or through float32 (fallback): the same
+    round-to-nearest-even values either way."""
+    _, _, layer = make_layer(fmt, n=50)
+    assert torch.equal(layer.dequantized_weight(torch.bfloat16), layer.dequantized_weight().to(torch.bfloat16))

@@ -9,11 +9,11 @@ first near-tie as a miss and so measure where the first divergence falls, not th
 Run with `pytest -m slow tests/test_quantization_accuracy.py -s` to see the figures.
 """
 import math
+import sys
 
 import pytest
 import torch
 
-from sudu.config import EngineConfig
 from sudu.engine.llm import LLM
 from sudu.layers import linear
 from sudu.layers.attention import build_metadata
@@ -49,6 +49,7 @@ TEXT = (
     "so raises the ceiling, as long as the loss of precision does not change what the model says."
 )
 MAX_PPL_RISE = 0.03
+PREFILL_MIN_ROWS = 1 << 30  # all_logits: every row through the decode kernel (a test may lower it)
 MIN_AGREEMENT = 0.95
 
 
@@ -56,17 +57,21 @@ MIN_AGREEMENT = 0.95
 def all_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """float32 logits at every position of one sequence, in one forward pass over fresh KV slots. Every
     row goes through the decode kernel (int8-rounded activations), not the prefill path, so the figures
-    are those of decoding."""
-    linear.KERNEL_MAX_ROWS = 1 << 30
-    runner = llm.engine.runner
-    slots = torch.arange(len(token_ids))
-    meta = build_metadata([len(token_ids)], [slots], runner.kv_caches, runner.sliding_window)
-    hidden = runner.model(torch.tensor(token_ids), torch.arange(len(token_ids)), meta)
-    return runner.model.compute_logits(hidden).float()
+    are those of decoding (unless PREFILL_MIN_ROWS is lowered: test_prefill_path_accuracy)."""
+    saved, linear.PREFILL_MIN_ROWS = linear.PREFILL_MIN_ROWS, PREFILL_MIN_ROWS
+    try:
+        runner = llm.engine.runner
+        slots = torch.arange(len(token_ids))
+        meta = build_metadata([len(token_ids)], [slots], runner.kv_caches, runner.sliding_window)
+        hidden = runner.model(torch.tensor(token_ids), torch.arange(len(token_ids)), meta)
+        return runner.model.compute_logits(hidden).float()
+    finally:
+        linear.PREFILL_MIN_ROWS = saved
 
 
-def make_llm(quantization: str) -> LLM:
-    return LLM(MODEL, progress=False, quantization=quantization, kv_cache_memory=128 << 20, num_threads=2)
+def make_llm(quantization: str, kv_cache_dtype: str = "auto") -> LLM:
+    return LLM(MODEL, progress=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+               kv_cache_memory=128 << 20, num_threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +110,7 @@ def test_float32_reference_agrees_with_itself(reference):
     assert self_agreement >= 0.99
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "auto"])  # auto: the default (int4, 8-bit output head)
 def test_quantized_format_accuracy(reference, fmt):
     sequences, text_ids, ref_ppl, _ = reference
     llm = make_llm(fmt)
@@ -115,6 +120,36 @@ def test_quantized_format_accuracy(reference, fmt):
     meets = agree >= MIN_AGREEMENT and rise <= MAX_PPL_RISE
     print(f"\n{fmt}: greedy agreement {agree:.1%}, perplexity {ppl:.3f} ({rise:+.2%} vs float32) -> "
           f"{'meets' if meets else 'misses'} the default criterion")
-    if fmt == EngineConfig.quantization or fmt == "int8":
-        # the default must meet the criterion; int8 is the format the default falls back to
+    if fmt in ("auto", "int8"):
+        # the default must meet the criterion; int8 is the conservative alternative
         assert agree >= MIN_AGREEMENT and rise <= MAX_PPL_RISE
+
+
+@pytest.mark.parametrize("weights", ["none", "auto"])
+def test_int8_kv_cache_accuracy(reference, weights):
+    """--kv-cache-dtype int8 under the same criterion, against the float32 model with a float32 KV cache:
+    with float32 weights (the KV format's own cost, which must meet it) and with the default weights (the
+    two losses combined, reported)."""
+    sequences, text_ids, ref_ppl, _ = reference
+    llm = make_llm(weights, kv_cache_dtype="int8")
+    agree = agreement(llm, sequences)
+    ppl = perplexity(all_logits(llm, text_ids), text_ids)
+    rise = ppl / ref_ppl - 1
+    print(f"\nint8 KV, {weights} weights: greedy agreement {agree:.1%}, perplexity {ppl:.3f} ({rise:+.2%} vs "
+          f"float32 weights and KV)")
+    if weights == "none":
+        assert agree >= MIN_AGREEMENT and rise <= MAX_PPL_RISE
+
+
+def test_prefill_path_accuracy(reference, monkeypatch):
+    """The default weights through the prefill path (dequantize + GEMM in PREFILL_DTYPE: bfloat16 on CPUs
+    with native bf16) at every position: the same criterion as the decode kernel."""
+    monkeypatch.setattr(sys.modules[__name__], "PREFILL_MIN_ROWS", 1)
+    sequences, text_ids, ref_ppl, _ = reference
+    llm = make_llm("auto")
+    agree = agreement(llm, sequences)
+    ppl = perplexity(all_logits(llm, text_ids), text_ids)
+    rise = ppl / ref_ppl - 1
+    print(f"\nauto weights, prefill path ({linear.PREFILL_DTYPE}): greedy agreement {agree:.1%}, "
+          f"perplexity {ppl:.3f} ({rise:+.2%} vs float32)")
+    assert agree >= MIN_AGREEMENT and rise <= MAX_PPL_RISE

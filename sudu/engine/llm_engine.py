@@ -63,7 +63,7 @@ class LLMEngine:
         if self.runner.sliding_blocks is not None and config.enable_prefix_caching:
             log.info("sliding-window layers keep only their window (sliding_window_kv=ring): prefix cache off")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_when_decoding)
+                                   config.prefill_chunk_when_decoding, config.max_itl_factor)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(ckpt.config.eos_token_id)
@@ -159,9 +159,12 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {rid: s for rid, s in self.requests.items() if s.pending}
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return [self._make_output(state) for state in touched.values()]
+        decodes = sum(1 for s in scheduled if s.samples and s.num_new_tokens == 1)
+        prefill_tokens = sum(s.num_new_tokens for s in scheduled if not (s.samples and s.num_new_tokens == 1))
         now = time.perf_counter()
         for s in scheduled:
             m = self.requests[s.seq.request_id].metrics
@@ -195,6 +198,8 @@ class LLMEngine:
             state = self._first_token(s.seq, now)
             self._accept_speculated(s, seq_logits, drafts[s.seq.seq_id], state)
             touched[s.seq.request_id] = state
+        # (drafts are added after the counts above, so a speculative decode counts as a decode)
+        self.scheduler.chunk_budget.observe(decodes, prefill_tokens, time.perf_counter() - start)
         return [self._make_output(state) for state in touched.values()]
 
     def _first_token(self, seq: Sequence, now: float) -> RequestState:

@@ -64,13 +64,14 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     """The checkpoint's network ready to run: loaded in config.dtype, its linear layers quantized to the
     resolved format, and projections that read the same input (q/k/v, gate/up) fused into one call
     each. Returns (network, weight format)."""
-    from sudu.layers.linear import quantize_model, resolve_format
+    from sudu.layers.linear import AUTO_HEAD_FORMAT, quantize_model, resolve_format
 
     dtype = DTYPES[config.dtype]
     model = load_network(ckpt.config, ckpt.tensors(dtype), dtype)
     fmt = resolve_format(config.quantization, ckpt)
     if fmt != "none":
-        quantize_model(model, ckpt, fmt)
+        auto = config.quantization == "auto"
+        quantize_model(model, ckpt, fmt, overrides={"lm_head": AUTO_HEAD_FORMAT} if auto else None)
     for module in model.modules():
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()

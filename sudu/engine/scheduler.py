@@ -33,15 +33,56 @@ class ScheduledSeq:
         return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
+class ChunkBudget:
+    """Prompt tokens per step while other sequences decode (long/short mixing): a long prompt advances a
+    chunk at a time so it cannot stretch the decoders' inter-token latency (ITL).
+
+    fixed > 0: that many tokens. fixed == 0 ("auto"): sized from measured step times, so that a step
+    carrying a prefill chunk costs about `itl_factor` times a decode-only step. The decoders' ITL then
+    stays within that factor of its undisturbed value on any machine and model, and the prompt advances as
+    fast as that allows. Two exponential moving averages: the decode-only step time, and the extra seconds
+    per prompt token in mixed steps (which grows with the prompt's context, as its attention does)."""
+
+    INITIAL = 16  # tokens, until the first mixed step has been timed
+    FLOOR = 4
+
+    def __init__(self, fixed: int, ceiling: int, itl_factor: float = 2.5, alpha: float = 0.3):
+        self.fixed = fixed
+        self.ceiling = ceiling
+        self.itl_factor = itl_factor
+        self.alpha = alpha
+        self.decode_s: float | None = None
+        self.per_token_s: float | None = None
+
+    def tokens(self) -> int:
+        if self.fixed:
+            return min(self.fixed, self.ceiling)
+        if self.decode_s is None or self.per_token_s is None:
+            return min(self.INITIAL, self.ceiling)
+        n = int((self.itl_factor - 1.0) * self.decode_s / max(self.per_token_s, 1e-9))
+        return max(self.FLOOR, min(n, self.ceiling))
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        """One step's wall time, with how many sequences decoded and how many prompt tokens it computed."""
+        if num_decodes == 0:
+            return  # prefill-only steps say nothing about anyone's ITL
+        if num_prefill_tokens == 0:
+            self.decode_s = self._ema(self.decode_s, seconds)
+        elif self.decode_s is not None:
+            extra = max(seconds - self.decode_s, 0.0)
+            self.per_token_s = self._ema(self.per_token_s, extra / num_prefill_tokens)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_when_decoding: int | None = None):
+                 prefill_chunk_when_decoding: int = 0, itl_factor: float = 2.5):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # while some sequences are decoding, prompts advance by at most this many tokens a step, so a
-        # long prompt cannot stretch the decoders' inter-token latency (long/short mixing)
-        self.prefill_chunk_when_decoding = prefill_chunk_when_decoding or max_num_batched_tokens
+        self.chunk_budget = ChunkBudget(prefill_chunk_when_decoding, max_num_batched_tokens, itl_factor)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -75,7 +116,7 @@ class Scheduler:
 
         self.running.sort(key=Sequence.sort_key)
         decoding = any(s.num_uncomputed_tokens == 1 for s in self.running)
-        prefill_budget = self.prefill_chunk_when_decoding if decoding else budget
+        prefill_budget = self.chunk_budget.tokens() if decoding else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

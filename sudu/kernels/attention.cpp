@@ -10,9 +10,10 @@
 //   mask   bool  [B, Q, L]  true = attend (causal, sliding window)
 // out [T, H, D] (contiguous) gets softmax(q k^T * scale) v for every valid row.
 //
-// Work is split by (sequence, kv head): each key and value vector is read once for the query heads that
-// share it (GQA). Per query row: scores for the keys in the mask's span (masked ones inside it -inf), max,
-// exp (vectorized, ~1 ulp), sum, then the weighted values in key order. A row's result depends only on
+// Work is split by (sequence, kv head): each key and value vector is read once for all the sequence's new
+// tokens and the query heads that share it (GQA). Per (query row, head): scores for the keys in its
+// mask's span (masked ones inside it -inf), max, exp (vectorized, ~1 ulp), sum, then the weighted values
+// in key order. A row's result depends only on
 // its own query and keys, never on the other rows or sequences in the call: speculative verification of k
 // tokens gives bit for bit what k plain decode steps give.
 #include <torch/extension.h>
@@ -67,78 +68,105 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
   const int64_t G = H / Hkv;  // query heads per kv head
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> score(G * L), acc(G * D);
+    std::vector<float> score(Q * G * L), acc(Q * G * D), inv_sum(Q * G);
+    std::vector<int64_t> lo(Q), hi(Q);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, g = t % Hkv;
       const int64_t* seq_slots = slots + b * L;
+      // each row's span of visible keys; the union is read once for all rows
+      int64_t jlo = L, jhi = 0;
       for (int64_t i = 0; i < Q; ++i) {
+        lo[i] = hi[i] = 0;
         const int64_t row = rows[b * Q + i];
         if (row < 0) continue;
         const bool* m = mask + (b * Q + i) * L;
-        int64_t lo = 0, hi = L;
-        while (lo < L && !m[lo]) ++lo;
-        while (hi > lo && !m[hi - 1]) --hi;
-        if (lo == hi) {  // sees no key (cannot happen for a real token): zeros, as a fully masked softmax
-          for (int64_t h = 0; h < G; ++h) std::fill_n(out + (row * H + g * G + h) * D, D, 0.f);
+        int64_t l = 0, h = L;
+        while (l < L && !m[l]) ++l;
+        while (h > l && !m[h - 1]) --h;
+        lo[i] = l;
+        hi[i] = h;
+        if (l == h) {  // sees no key (cannot happen for a real token): zeros, as a fully masked softmax
+          for (int64_t hh = 0; hh < G; ++hh) std::fill_n(out + (row * H + g * G + hh) * D, D, 0.f);
           continue;
         }
-        const float* qrow = q + row * q_row_stride + g * G * q_head_stride;
-        // scores: each key vector once, against the G query heads
-        for (int64_t j = lo; j < hi; ++j) {
-          const int64_t off = seq_slots[j] * Hkv + g;
-          const KV* k = kc + off * D;
-          const float kscale = ks ? _cvtsh_ss(ks[off]) * scale : scale;
+        jlo = std::min(jlo, l);
+        jhi = std::max(jhi, h);
+      }
+      // scores: each key vector once, against every row's G query heads
+      for (int64_t j = jlo; j < jhi; ++j) {
+        const int64_t off = seq_slots[j] * Hkv + g;
+        const KV* k = kc + off * D;
+        const float kscale = ks ? _cvtsh_ss(ks[off]) * scale : scale;
+        for (int64_t i = 0; i < Q; ++i) {
+          if (j < lo[i] || j >= hi[i]) continue;
+          const bool visible = mask[(b * Q + i) * L + j];
+          const float* qrow = q + rows[b * Q + i] * q_row_stride + g * G * q_head_stride;
           for (int64_t h = 0; h < G; ++h) {
-            const float* qh = qrow + h * q_head_stride;
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
-            score[h * L + j] = m[j] ? hsum8(a) * kscale : NEG_INF;
+            float s = NEG_INF;
+            if (visible) {
+              const float* qh = qrow + h * q_head_stride;
+              __m256 a = _mm256_setzero_ps();
+              for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
+              s = hsum8(a) * kscale;
+            }
+            score[(i * G + h) * L + j] = s;
           }
         }
-        // softmax per head over [lo, hi)
-        std::vector<float> inv_sum(G);
+      }
+      // softmax per (row, head) over its own span
+      for (int64_t i = 0; i < Q; ++i) {
+        if (lo[i] == hi[i]) continue;
         for (int64_t h = 0; h < G; ++h) {
-          float* s = score.data() + h * L;
+          float* s = score.data() + (i * G + h) * L;
           float mx = NEG_INF;
-          for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, s[j]);
+          for (int64_t j = lo[i]; j < hi[i]; ++j) mx = std::max(mx, s[j]);
           const __m256 mxv = _mm256_set1_ps(mx);
           __m256 sum = _mm256_setzero_ps();
-          int64_t j = lo;
-          for (; j + 8 <= hi; j += 8) {
+          int64_t j = lo[i];
+          for (; j + 8 <= hi[i]; j += 8) {
             const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
             _mm256_storeu_ps(s + j, p);
             sum = _mm256_add_ps(sum, p);
           }
           float tail = 0.f;
-          if (j < hi) {  // the last < 8 keys through the same exp, on a padded copy
+          if (j < hi[i]) {  // the last < 8 keys through the same exp, on a padded copy
             alignas(32) float buf[8];
-            for (int64_t u = 0; u < 8; ++u) buf[u] = j + u < hi ? s[j + u] - mx : NEG_INF;
+            for (int64_t u = 0; u < 8; ++u) buf[u] = j + u < hi[i] ? s[j + u] - mx : NEG_INF;
             _mm256_store_ps(buf, exp8(_mm256_load_ps(buf)));
-            for (int64_t u = 0; j + u < hi; ++u) {
+            for (int64_t u = 0; j + u < hi[i]; ++u) {
               s[j + u] = buf[u];
               tail += buf[u];
             }
           }
-          inv_sum[h] = 1.0f / (hsum8(sum) + tail);
+          inv_sum[i * G + h] = 1.0f / (hsum8(sum) + tail);
         }
-        // weighted values: each value vector once, into the G accumulators, in key order
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = lo; j < hi; ++j) {
-          const int64_t off = seq_slots[j] * Hkv + g;
-          const KV* v = vc + off * D;
-          const float vscale = vs ? _cvtsh_ss(vs[off]) : 1.f;
+      }
+      // weighted values: each value vector once, into every (row, head) accumulator, in key order
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = jlo; j < jhi; ++j) {
+        const int64_t off = seq_slots[j] * Hkv + g;
+        const KV* v = vc + off * D;
+        const float vscale = vs ? _cvtsh_ss(vs[off]) : 1.f;
+        for (int64_t i = 0; i < Q; ++i) {
+          if (j < lo[i] || j >= hi[i]) continue;
           for (int64_t h = 0; h < G; ++h) {
-            const float p = score[h * L + j];
+            const float p = score[(i * G + h) * L + j];
             if (p == 0.f) continue;
             const __m256 pv = _mm256_set1_ps(p * vscale);
-            float* a = acc.data() + h * D;
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(a + d)));
+            float* a = acc.data() + (i * G + h) * D;
+            for (int64_t d = 0; d < D; d += 8)
+              _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(a + d)));
           }
         }
+      }
+      for (int64_t i = 0; i < Q; ++i) {
+        if (lo[i] == hi[i]) continue;
+        const int64_t row = rows[b * Q + i];
         for (int64_t h = 0; h < G; ++h) {
-          const __m256 inv = _mm256_set1_ps(inv_sum[h]);
+          const __m256 inv = _mm256_set1_ps(inv_sum[i * G + h]);
+          const float* a = acc.data() + (i * G + h) * D;
           float* o = out + (row * H + g * G + h) * D;
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + h * D + d), inv));
+          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), inv));
         }
       }
     }

@@ -6,7 +6,7 @@
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size,
                       c10::optional<torch::Tensor> bias);
-torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size);
+torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size, bool bf16);
 std::string isa();
 std::string set_isa(const std::string& name);
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
@@ -14,7 +14,8 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias");
-  m.def("dequantize", &dequantize, "dequant(W) as float32 [N, K]");
+  m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [N, K]", py::arg("q"), py::arg("s"),
+        py::arg("mn"), py::arg("group_size"), py::arg("bf16") = false);
   m.def("isa", &isa, "the dot-product instruction set qlinear uses");
   m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out");

@@ -315,16 +315,37 @@ void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, con
   });
 }
 
+// float32 -> bfloat16, round to nearest even (as PyTorch's .to(torch.bfloat16)); n a multiple of 8.
+inline void to_bf16(const float* in, int64_t n, uint16_t* out) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+  for (int64_t i = 0; i < n; i += 16) {
+    __m256i h[2];
+    for (int j = 0; j < 2; ++j) {
+      const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(in + i + 8 * j));
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+      h[j] = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, odd)), 16);
+    }
+    // packus works per 128-bit lane; the permutation restores element order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+  }
+}
+
+// Dequantized rows [N, K] as float32 (out32) or bfloat16 (out16: each row goes through an L1 buffer).
 template <bool INT4>
-void dequant_impl(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t N, int64_t K, int64_t G, float* out) {
+void dequant_impl(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t N, int64_t K, int64_t G,
+                  float* out32, uint16_t* out16) {
   const int64_t ngroups = K / G;
   const int64_t row_bytes = INT4 ? K / 2 : K;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(out16 ? K : 0);
     for (int64_t n = n0; n < n1; ++n) {
+      float* dst = out16 ? row.data() : out32 + n * K;
       if (INT4)
-        dequant_int4(q + n * row_bytes, s + n * ngroups, mn + n * ngroups, G, 0, K, out + n * K);
+        dequant_int4(q + n * row_bytes, s + n * ngroups, mn + n * ngroups, G, 0, K, dst);
       else
-        dequant_int8(reinterpret_cast<const int8_t*>(q) + n * row_bytes, s + n * ngroups, G, 0, K, out + n * K);
+        dequant_int8(reinterpret_cast<const int8_t*>(q) + n * row_bytes, s + n * ngroups, G, 0, K, dst);
+      if (out16) to_bf16(dst, K, out16 + n * K);
     }
   });
 }
@@ -366,19 +387,21 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::
   return y;
 }
 
-// The float32 weights [N, K] (for prefill: dequantize once, then one float32 GEMM).
-torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size) {
+// The weights [N, K] as float32, or bfloat16 with bf16 = true (for prefill: dequantize, then one GEMM).
+torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size, bool bf16) {
   const bool int4 = q.scalar_type() == torch::kByte;
   const int64_t N = q.size(0), K = int4 ? q.size(1) * 2 : q.size(1);
   check_args(q, s, K, group_size);
-  auto out = torch::empty({N, K}, torch::dtype(torch::kFloat));
+  auto out = torch::empty({N, K}, torch::dtype(bf16 ? torch::kBFloat16 : torch::kFloat));
+  float* out32 = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* out16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   const auto* s_ptr = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   if (int4)
     dequant_impl<true>(q.data_ptr<uint8_t>(), s_ptr, reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()), N, K,
-                       group_size, out.data_ptr<float>());
+                       group_size, out32, out16);
   else
     dequant_impl<false>(reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s_ptr, nullptr, N, K, group_size,
-                        out.data_ptr<float>());
+                        out32, out16);
   return out;
 }
 

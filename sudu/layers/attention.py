@@ -22,11 +22,17 @@ from sudu.layers.linear import fuse_linears
 _EMPTY = torch.empty(0, dtype=torch.float16)
 
 
-def decode_kernel(q: torch.Tensor, cache: KVCache):
+NATIVE_MAX_Q = 8  # the native kernel takes batches whose sequences have at most this many new tokens
+
+
+def decode_kernel(q: torch.Tensor, cache: KVCache, max_q: int):
     """The native kernel (kernels/attention.cpp) for this call's few-new-token sequences, or None: it takes
-    float32 queries over a float32 or int8 pool with a head size that is a multiple of 8; otherwise (or
-    without the extension) they go through index_select + SDPA."""
-    if q.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.int8) or q.shape[-1] % 8:
+    float32 queries over a float32 or int8 pool with a head size that is a multiple of 8, and batches
+    whose longest sequence has at most NATIVE_MAX_Q new tokens (decodes and speculative verification;
+    beyond that, e.g. a prefill chunk riding along with decodes, SDPA's blocked kernel is faster).
+    Otherwise (or without the extension) they go through index_select + SDPA."""
+    if (q.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.int8) or q.shape[-1] % 8
+            or max_q > NATIVE_MAX_Q):
         return None
     ext = kernels.load()
     return None if ext is None else ext.decode_attention
@@ -150,6 +156,13 @@ def build_metadata(
     return AttentionMetadata(full, sliding, kv_caches)
 
 
+def _expand_heads(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[..., kv_heads, keys, D] -> [..., num_heads, keys, D], each kv head repeated for its query heads.
+    SDPA's own enable_gqa=True is ~3x slower on CPU (torch 2.13) than its fused kernel on expanded heads."""
+    groups = num_heads // kv.shape[-3]
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -168,14 +181,14 @@ def paged_attention(
     for s in view.seqs:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
         ks, vs = cache.read(s.key_slots, q.dtype)  # [keys, Hkv, D]
-        ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
+        ks, vs = _expand_heads(ks.transpose(0, 1), qs.shape[0]), _expand_heads(vs.transpose(0, 1), qs.shape[0])
         if s.mask is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=scale)[0]
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=s.mask, scale=scale)[0]
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     d = view.decode
-    kernel = decode_kernel(q, cache) if d is not None else None
+    kernel = decode_kernel(q, cache, d.rows.shape[1]) if d is not None else None
     if kernel is not None:
         ks, vs = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (_EMPTY, _EMPTY)
         kernel(q, cache.k, cache.v, ks, vs, d.rows, d.slots, d.mask[:, 0], scale, out)
@@ -184,8 +197,8 @@ def paged_attention(
         valid = d.rows.reshape(-1) >= 0
         qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, *q.shape[1:]).transpose(1, 2)
         kd, vd = cache.read(d.slots, q.dtype)  # [B, L, Hkv, D]
-        kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=True)
+        kd, vd = _expand_heads(kd.transpose(1, 2), q.shape[1]), _expand_heads(vd.transpose(1, 2), q.shape[1])
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
         o = o.transpose(1, 2).reshape(B * max_q, *q.shape[1:])
         if bool(valid.all()):
             out.index_copy_(0, d.rows.reshape(-1), o)

@@ -10,17 +10,17 @@ Formats (accumulation in float32; see the dispatch below for the activations):
         per weight.
 
 Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py for the figures):
-  M <= KERNEL_MAX_ROWS  the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
-                        blocks of 32 (llama.cpp's Q8 activations), integer dot products against the
-                        quantized weights (AVX2, or AVX-512 VNNI where present), each weight row read from
-                        memory once per call whatever M is. One row is bound by memory bandwidth; a batch
-                        of 8 costs ~4x one row, not 8x. Every row takes the same float operations at every
-                        M and on either instruction set, so results are bit for bit independent of the
-                        batch: greedy speculative decoding stays identical to plain decoding, and chunked
-                        prefill gives the same numbers whatever the chunk size.
-  M >  KERNEL_MAX_ROWS  dequantize to float32 in slices of output channels and run float32 GEMMs with
-                        float32 activations (as fast as the kernel from ~512 rows up); the temporary
-                        stays under DEQUANT_SLICE_BYTES.
+  M <  PREFILL_MIN_ROWS  the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
+                         blocks of 32 (llama.cpp's Q8 activations), integer dot products against the
+                         quantized weights (AVX2, or AVX-512 VNNI where present), each weight row read from
+                         memory once per call whatever M is. One row is bound by memory bandwidth; a batch
+                         of 8 costs ~4x one row, not 8x. Every row takes the same float operations at every
+                         M and on either instruction set, so results are bit for bit independent of the
+                         batch: greedy speculative decoding stays identical to plain decoding.
+  M >= PREFILL_MIN_ROWS  prefill chunks: dequantize slices of output channels (each temporary under
+                         DEQUANT_SLICE_BYTES) and run GEMMs, in bfloat16 on CPUs with native bf16
+                         dot products (avx512_bf16 / AMX: ~2x the kernel's rate from ~256 rows up), else in
+                         float32 (the kernel stays faster up to its 512 rows, so the switch is at 513).
 Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
 PyTorch ops: correct, but decode loses the quantization speed-up. (PyTorch's own packed kernels,
 _weight_int8pack_mm / _weight_int4pack_mm_for_cpu, need bf16 activations, per-channel int8 or their own
@@ -41,8 +41,20 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = 32
-KERNEL_MAX_ROWS = 512  # = the default max_num_batched_tokens: every engine step stays on the kernel
 DEQUANT_SLICE_BYTES = 64 << 20
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+PREFILL_DTYPE = torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+PREFILL_MIN_ROWS = 256 if PREFILL_DTYPE == torch.bfloat16 else 513
 
 
 def quantize_int8(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,14 +135,12 @@ class QuantizedLinear(nn.Module):
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
 
-    def dequantized_weight(self) -> torch.Tensor:
-        if self._ext is not None:
-            return self._ext.dequantize(self.qweight, self.scales, self.mins, self.group_size)
-        return dequantize_torch(self.fmt, self.qweight, self.scales, self.mins, self.group_size)
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._slice_dequantized(0, self.out_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:  # the engine's case: no reshapes, no casts
-            if self._ext is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+            if self._ext is not None and x.shape[0] < PREFILL_MIN_ROWS:
                 return self._ext.qlinear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
             return self._dequantized_gemm(x)
         shape = x.shape
@@ -138,22 +148,24 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def _dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = PREFILL_DTYPE if self._ext is not None else torch.float32
+        xg = x.to(dtype)
         rows_per_slice = max(1, DEQUANT_SLICE_BYTES // (4 * self.in_features))
         if rows_per_slice >= self.out_features:
-            return F.linear(x, self.dequantized_weight(), self.bias)
+            y = F.linear(xg, self.dequantized_weight(dtype))
+            return y.float() + self.bias if self.bias is not None else y.float()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         for n0 in range(0, self.out_features, rows_per_slice):
             n1 = min(n0 + rows_per_slice, self.out_features)
-            w = self._slice_dequantized(n0, n1)
-            out[:, n0:n1] = F.linear(x, w, None if self.bias is None else self.bias[n0:n1])
-        return out
+            out[:, n0:n1] = F.linear(xg, self._slice_dequantized(n0, n1, dtype))
+        return out + self.bias if self.bias is not None else out
 
-    def _slice_dequantized(self, n0: int, n1: int) -> torch.Tensor:
+    def _slice_dequantized(self, n0: int, n1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         q, s = self.qweight[n0:n1], self.scales[n0:n1]
         m = self.mins[n0:n1] if self.fmt == "int4" else self.mins
-        if self._ext is not None:
-            return self._ext.dequantize(q, s, m, self.group_size)
-        return dequantize_torch(self.fmt, q, s, m, self.group_size)
+        if self._ext is not None and dtype in (torch.float32, torch.bfloat16):
+            return self._ext.dequantize(q, s, m, self.group_size, dtype == torch.bfloat16)
+        return dequantize_torch(self.fmt, q, s, m, self.group_size).to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
@@ -194,6 +206,10 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
 # float32 >= 95% and perplexity within +3% on the default model (int4: 96.1%, +2.83%; int8: 98.4%,
 # +1.25%; tests/test_quantization_accuracy.py, docs/cpu_speed.md). Float checkpoints stay float.
 AUTO_FORMAT = "int4"
+# ... except the output head, which `auto` keeps at 8 bits (as llama.cpp's Q4_K_M keeps it at 6-8): the most
+# sensitive matrix (it alone decides the argmax), and in the catalog's files already Q8_0, copied exactly.
+# Costs ~1 ms per decoded token on the 0.5B; buys back most of int4's perplexity rise (docs/cpu_speed.md).
+AUTO_HEAD_FORMAT = "int8"
 FLOAT_GGML_TYPES = {"F32", "F16", "BF16"}
 
 
@@ -211,26 +227,30 @@ def resolve_format(requested: str, ckpt) -> str:
     return "none"
 
 
-def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
+def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE,
+                   overrides: dict[str, str] | None = None) -> nn.Module:
     """Replace every nn.Linear whose input width is a multiple of the group size with a QuantizedLinear,
-    in place. Q8_0 tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is
-    quantized from the loaded float weights. Layers that do not fit the group size stay float."""
+    in place, in format `fmt` or, for the modules named in `overrides`, the format given there. Q8_0
+    tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is quantized from
+    the loaded float weights. Layers that do not fit the group size stay float."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; expected none, {', '.join(FORMATS)}")
+    overrides = overrides or {}
     replaced, kept = 0, []
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
+        fmt_here = overrides.get(name, fmt)
         if module.in_features % group_size != 0 or group_size % 32 != 0:
             kept.append(name)
             continue
         qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
         with torch.no_grad():
-            if fmt == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
+            if fmt_here == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
                 q, s = q8_0_blocks(qt)
                 new = QuantizedLinear("int8", q, s, None, module.bias, module.in_features, group_size)
             else:
-                new = QuantizedLinear.from_float(fmt, module.weight, module.bias, group_size)
+                new = QuantizedLinear.from_float(fmt_here, module.weight, module.bias, group_size)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         replaced += 1
