@@ -180,7 +180,7 @@ def main() -> None:
 
     bandwidth = measure_bandwidth_gbs(threads=args.threads)
     resolved = sides["sudu"].llm.engine.quantization  # what --quantization auto chose
-    fmt = {"none": "fp32"}.get(resolved, resolved)
+    fmt = "auto" if args.quantization == "auto" else {"none": "fp32"}.get(resolved, resolved)
     limit = bandwidth * 1e9 / bytes_per_token(ckpt.config, fmt)
     print(f"\n{args.model}, sudu --quantization {args.quantization} ({resolved}), {args.threads} threads, "
           f"median of {args.repeat}; llama.cpp batches via llama_batch with one seq id per sequence")

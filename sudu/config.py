@@ -33,7 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
     num_speculative_tokens: int = 4  # most draft tokens per sequence per step (adapted per sequence)
-    speculative_max_batch: int = 4  # speculation pauses while more sequences than this are decoding
+    speculative_max_batch: int = 8  # speculation pauses while more sequences than this are decoding (measured: docs/benchmarks.md)
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 

@@ -25,6 +25,8 @@ FORMATS = {
     "bf16": (dict(dtype="bfloat16", quantization="none"), 2.0, 2.0),
     "int8": (dict(dtype="float32", quantization="int8"), 1.0 + 2.0 / GROUP_SIZE, 4.0),  # + float16 scale per group
     "int4": (dict(dtype="float32", quantization="int4"), 0.5 + 4.0 / GROUP_SIZE, 4.0),  # + float16 scale and min
+    # the default for quantized checkpoints: int4, output head int8 (layers/linear.py AUTO_HEAD_FORMAT)
+    "auto": (dict(dtype="float32", quantization="auto"), 0.5 + 4.0 / GROUP_SIZE, 4.0),
 }
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
 
@@ -66,7 +68,10 @@ def parameter_counts(model_config) -> tuple[int, int, int]:
 def bytes_per_token(model_config, fmt: str) -> float:
     _, per_linear, per_other = FORMATS[fmt]
     linear, embed_row, other = parameter_counts(model_config)
-    return linear * per_linear + (embed_row + other) * per_other
+    total = linear * per_linear + (embed_row + other) * per_other
+    if fmt == "auto":  # the output head at int8 instead of int4
+        total += model_config.vocab_size * model_config.hidden_size * (FORMATS["int8"][1] - per_linear)
+    return total
 
 
 def measure_decode_tok_s(model: str, fmt: str, max_tokens: int = 64, threads: int = 2) -> float:
@@ -113,7 +118,7 @@ def register_cli(sub) -> None:
     p = sub.add_parser("roofline", help="memory-bandwidth limit of decode per weight format vs achieved speed",
                        description=__doc__)
     p.add_argument("model", metavar="MODEL", help="model name or path (see `sudu models list`)")
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of fp32,bf16,int8,int4")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of fp32,bf16,int8,int4,auto")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per measurement")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-measure", action="store_true", help="print the limits only, skip the engine runs")
