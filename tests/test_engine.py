@@ -302,10 +302,13 @@ def test_auto_chunk_budget_keeps_mixed_steps_within_the_itl_factor():
     from sudu.engine.scheduler import ChunkBudget
 
     b = ChunkBudget(0, ceiling=512, itl_factor=2.5, alpha=1.0)
-    assert b.tokens() == ChunkBudget.INITIAL  # nothing timed yet
+    # nothing timed yet (a batch queued from the start): a fixed chunk, scaled by the queue
+    assert b.tokens(num_decoding=2, num_prefilling=1) == ChunkBudget.UNMEASURED
+    assert b.tokens(num_decoding=2, num_prefilling=6) == 3 * ChunkBudget.UNMEASURED
     b.observe(num_decodes=0, num_prefill_tokens=512, seconds=9.0)  # prefill alone: no decoder to protect
-    assert b.tokens() == ChunkBudget.INITIAL
+    assert b.tokens() == ChunkBudget.UNMEASURED
     b.observe(num_decodes=4, num_prefill_tokens=0, seconds=0.040)
+    assert b.tokens() == ChunkBudget.INITIAL  # decoders timed, prompt tokens not yet
     b.observe(num_decodes=4, num_prefill_tokens=16, seconds=0.040 + 16 * 0.004)
     assert b.tokens() == 15  # (2.5 - 1) * 40 ms / 4 ms per token
     b.observe(num_decodes=4, num_prefill_tokens=15, seconds=0.040 + 15 * 0.010)  # longer context: dearer tokens
@@ -314,4 +317,9 @@ def test_auto_chunk_budget_keeps_mixed_steps_within_the_itl_factor():
     assert b.tokens() == 512  # cheap tokens: up to the step's whole budget
     b.observe(num_decodes=4, num_prefill_tokens=6, seconds=1.0)
     assert b.tokens() == ChunkBudget.FLOOR  # never starves the prompt
-    assert ChunkBudget(48, ceiling=512).tokens() == 48  # a fixed setting is used as is
+    b.observe(num_decodes=4, num_prefill_tokens=15, seconds=0.040 + 15 * 0.004)
+    assert b.tokens(num_decoding=4, num_prefilling=1) == 15
+    # a queue: 40 prompts waiting behind 4 decoders get 10x the allowance (capped by the step budget)
+    assert b.tokens(num_decoding=4, num_prefilling=40) == 150
+    assert b.tokens(num_decoding=1, num_prefilling=400) == 512
+    assert ChunkBudget(48, ceiling=512).tokens(1, 100) == 48  # a fixed setting is used as is

@@ -38,12 +38,16 @@ class ChunkBudget:
     chunk at a time so it cannot stretch the decoders' inter-token latency (ITL).
 
     fixed > 0: that many tokens. fixed == 0 ("auto"): sized from measured step times, so that a step
-    carrying a prefill chunk costs about `itl_factor` times a decode-only step. The decoders' ITL then
-    stays within that factor of its undisturbed value on any machine and model, and the prompt advances as
-    fast as that allows. Two exponential moving averages: the decode-only step time, and the extra seconds
-    per prompt token in mixed steps (which grows with the prompt's context, as its attention does)."""
+    carrying prompt chunks costs about `itl_factor` times a decode-only step: each decoder's ITL stays
+    within that factor of its undisturbed value on any machine and model. The allowance is per decoding
+    sequence, and prompts waiting to start get the same weight: while more sequences wait for their
+    prompt than decode (a queue of requests, offline batches), the allowance grows by that ratio, so
+    a few early decoders cannot starve the queue (TTFT) and throughput. Two exponential moving averages
+    feed it: the decode-only step time, and the extra seconds per prompt token in mixed steps (which
+    grows with the prompt's context, as its attention does)."""
 
-    INITIAL = 16  # tokens, until the first mixed step has been timed
+    INITIAL = 16  # tokens, from the first decode-only step until the first mixed step has been timed
+    UNMEASURED = 48  # tokens per step (times the queue pressure) before any decode-only step
     FLOOR = 4
 
     def __init__(self, fixed: int, ceiling: int, itl_factor: float = 2.5, alpha: float = 0.3):
@@ -54,12 +58,19 @@ class ChunkBudget:
         self.decode_s: float | None = None
         self.per_token_s: float | None = None
 
-    def tokens(self) -> int:
+    def tokens(self, num_decoding: int = 1, num_prefilling: int = 1) -> int:
+        """The budget for a step with num_decoding decoding sequences and num_prefilling sequences whose
+        prompt is still (partly) to compute, admitted or waiting."""
         if self.fixed:
             return min(self.fixed, self.ceiling)
-        if self.decode_s is None or self.per_token_s is None:
+        pressure = max(1.0, num_prefilling / max(num_decoding, 1))
+        if self.decode_s is None:
+            # no decode-only step yet: prompts have been queued since the start (a batch), so there is no
+            # undisturbed ITL to protect; a fixed chunk per decoder, scaled by the queue
+            return max(self.FLOOR, min(int(self.UNMEASURED * pressure), self.ceiling))
+        if self.per_token_s is None:
             return min(self.INITIAL, self.ceiling)
-        n = int((self.itl_factor - 1.0) * self.decode_s / max(self.per_token_s, 1e-9))
+        n = int((self.itl_factor - 1.0) * pressure * self.decode_s / max(self.per_token_s, 1e-9))
         return max(self.FLOOR, min(n, self.ceiling))
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -115,8 +126,9 @@ class Scheduler:
         bm = self.block_manager
 
         self.running.sort(key=Sequence.sort_key)
-        decoding = any(s.num_uncomputed_tokens == 1 for s in self.running)
-        prefill_budget = self.chunk_budget.tokens() if decoding else budget
+        num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        num_prefilling = len(self.running) - num_decoding + sum(1 for s in self.waiting if not s.held_back)
+        prefill_budget = self.chunk_budget.tokens(num_decoding, num_prefilling) if num_decoding else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

@@ -188,65 +188,99 @@ inline void dot_q8_rows(const uint8_t* q, int64_t nb, const float* sf, const int
 // dispatches on the running CPU.
 #define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-template <bool INT4, int R>
-SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx,
-                                const float* sx, int64_t ldsx, float* out) {
+// W weight rows (1 or 2) at once: each activation block and its scale pair are loaded once for both.
+// out[j * ldo + i]: weight row j, activation row i.
+template <bool INT4, int R, int W>
+SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq,
+                                int64_t ldx, const float* sx, int64_t ldsx, float* out, int64_t ldo) {
   const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i flip = _mm512_set1_epi8(char(0x80));
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[W][R];
+  for (int j = 0; j < W; ++j)
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
   // [v[0] x 8, v[1] x 8] from two adjacent floats
   auto pair_of = [&](const float* v) SUDU_VNNI {
     return _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v)))));
   };
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    __m512i qv, base = _mm512_setzero_si512();
-    if (INT4) {
-      const __m256i mask = _mm256_set1_epi8(0x0F);
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 * b));
-      const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-      const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo b, lo b+1, hi b, hi b+1]
-      qv = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));                  // [lo b, hi b, lo b+1, hi b+1]
-    } else {
-      qv = _mm512_loadu_si512(q + 32 * b);
-      base = _mm512_sub_epi32(base, _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qv));
+    __m512i qv[W], base[W];
+    __m512 sfv[W];
+    for (int j = 0; j < W; ++j) {
+      base[j] = _mm512_setzero_si512();
+      if (INT4) {
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[j] + 16 * b));
+        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo b, lo b+1, hi b, hi b+1]
+        qv[j] = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));               // [lo b, hi b, lo b+1, hi b+1]
+      } else {
+        qv[j] = _mm512_loadu_si512(q[j] + 32 * b);
+        base[j] = _mm512_sub_epi32(base[j], _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qv[j]));
+      }
+      sfv[j] = pair_of(sf[j] + b);
     }
-    const __m512 sfv = pair_of(sf + b);
     for (int i = 0; i < R; ++i) {
       const __m512i xv = _mm512_loadu_si512(xq + i * ldx + 32 * b);
-      const __m512i sum = INT4 ? _mm512_dpbusd_epi32(base, qv, xv) : _mm512_dpbusd_epi32(base, _mm512_xor_si512(xv, flip), qv);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(pair_of(sx + i * ldsx + b), sfv), acc[i]);
+      const __m512i xu = INT4 ? xv : _mm512_xor_si512(xv, flip);
+      const __m512 sxv = pair_of(sx + i * ldsx + b);
+      for (int j = 0; j < W; ++j) {
+        const __m512i sum = INT4 ? _mm512_dpbusd_epi32(base[j], qv[j], xv) : _mm512_dpbusd_epi32(base[j], xu, qv[j]);
+        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
+      }
     }
   }
   if (b < nb) {  // an odd last block: the low half only
-    __m256i qv, base = _mm256_setzero_si256();
-    if (INT4) {
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
-      qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-    } else {
-      qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
-      base = _mm256_sub_epi32(base, _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), qv));
+    for (int j = 0; j < W; ++j) {
+      __m256i qv, base = _mm256_setzero_si256();
+      if (INT4) {
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[j] + 16 * b));
+        qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+      } else {
+        qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[j] + 32 * b));
+        base = _mm256_sub_epi32(base, _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), qv));
+      }
+      const __m256 sfv = _mm256_broadcast_ss(sf[j] + b);
+      for (int i = 0; i < R; ++i) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + 32 * b));
+        const __m256i sum = INT4 ? _mm256_dpbusd_epi32(base, qv, xv)
+                                 : _mm256_dpbusd_epi32(base, _mm256_xor_si256(xv, _mm256_set1_epi8(char(0x80))), qv);
+        const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(sx + i * ldsx + b), sfv);
+        acc[j][i] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(sum)), _mm512_castps256_ps512(d),
+                                          acc[j][i], 0x00FF);
+      }
     }
-    const __m256 sfv = _mm256_broadcast_ss(sf + b);
+  }
+  for (int j = 0; j < W; ++j)
     for (int i = 0; i < R; ++i) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + 32 * b));
-      const __m256i sum = INT4 ? _mm256_dpbusd_epi32(base, qv, xv)
-                               : _mm256_dpbusd_epi32(base, _mm256_xor_si256(xv, _mm256_set1_epi8(char(0x80))), qv);
-      const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(sx + i * ldsx + b), sfv);
-      acc[i] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(sum)), _mm512_castps256_ps512(d), acc[i],
-                                     0x00FF);
+      // hsum(acc0 + acc1), written out: hsum itself is compiled for plain AVX2
+      const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc[j][i]), _mm512_extractf32x8_ps(acc[j][i], 1));
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      out[j * ldo + i] = _mm_cvtss_f32(s);
     }
+}
+
+// All M activation rows against W weight rows with the VNNI kernel, MR_VNNI rows per call.
+template <bool INT4, int W>
+void vnni_all_rows(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq, int64_t K,
+                   const float* sx, int64_t nbp, int64_t M, float* out) {
+  int64_t m = 0;
+#define SUDU_VNNI_DOT(R) dot_q8_rows_vnni<INT4, R, W>(q, nb, sf, xq + m * K, K, sx + m * nbp, nbp, out + m, M)
+  for (; m + 8 <= M; m += 8) SUDU_VNNI_DOT(8);
+  switch (M - m) {
+    case 7: SUDU_VNNI_DOT(7); break;
+    case 6: SUDU_VNNI_DOT(6); break;
+    case 5: SUDU_VNNI_DOT(5); break;
+    case 4: SUDU_VNNI_DOT(4); break;
+    case 3: SUDU_VNNI_DOT(3); break;
+    case 2: SUDU_VNNI_DOT(2); break;
+    case 1: SUDU_VNNI_DOT(1); break;
+    default: break;
   }
-  for (int i = 0; i < R; ++i) {
-    // hsum(acc0 + acc1), written out: hsum itself is compiled for plain AVX2
-    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    out[i] = _mm_cvtss_f32(s);
-  }
+#undef SUDU_VNNI_DOT
 }
 
 bool cpu_has_vnni() {
@@ -256,8 +290,8 @@ bool cpu_has_vnni() {
 }
 bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
 
-constexpr int MR = 4;       // rows per AVX2 call: 4 rows x 2 accumulators + temporaries fit 16 ymm registers
-constexpr int MR_VNNI = 8;  // rows per VNNI call: AVX-512 has 32 registers
+constexpr int MR = 4;  // rows per AVX2 call: 4 rows x 2 accumulators + temporaries fit 16 ymm registers
+// (VNNI: 8 rows x 2 weight rows = 16 accumulators of AVX-512's 32 registers)
 
 template <bool INT4>
 void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
@@ -271,46 +305,43 @@ void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, con
     quantize_row_q8(x + m * K, K, xq.data() + m * K, sx.data() + m * nbp, xsum.data() + m * nbp);
   const bool vnni = use_vnni;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sf(nbp, 0.f), mf(nbp, 0.f);
-    float out[MR_VNNI];
+    std::vector<float> sf(2 * nbp, 0.f), mf(2 * nbp, 0.f), out(2 * M);
     // Rows are adjacent, so [n0, n1) is one stream; prefetching ahead keeps more DRAM reads in flight than
     // the hardware prefetcher does here. Prefetching past the end is harmless (no fault).
     constexpr int64_t PREFETCH_BYTES = 2048;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = q + n * row_bytes;
-      for (int64_t off = 0; off < row_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + off + PREFETCH_BYTES), _MM_HINT_T0);
-      row_scales(s + n * ngroups, INT4 ? mn + n * ngroups : nullptr, G, nb, sf.data(), mf.data());
-      const float bn = bias ? bias[n] : 0.f;
-      int64_t m = 0;
-      auto emit = [&](int rows) {
-        for (int i = 0; i < rows; ++i)
-          y[(m + i) * N + n] = out[i] + (INT4 ? min_term(mf.data(), xsum.data() + (m + i) * nbp, nbp) : 0.f) + bn;
-        m += rows;
-      };
-#define SUDU_DOT(FN, R) FN<INT4, R>(row, nb, sf.data(), xq.data() + m * K, K, sx.data() + m * nbp, nbp, out); emit(R)
-      if (vnni) {
-        while (m + MR_VNNI <= M) { SUDU_DOT(dot_q8_rows_vnni, MR_VNNI); }
-        switch (M - m) {
-          case 7: SUDU_DOT(dot_q8_rows_vnni, 7); break;
-          case 6: SUDU_DOT(dot_q8_rows_vnni, 6); break;
-          case 5: SUDU_DOT(dot_q8_rows_vnni, 5); break;
-          case 4: SUDU_DOT(dot_q8_rows_vnni, 4); break;
-          case 3: SUDU_DOT(dot_q8_rows_vnni, 3); break;
-          case 2: SUDU_DOT(dot_q8_rows_vnni, 2); break;
-          case 1: SUDU_DOT(dot_q8_rows_vnni, 1); break;
-          default: break;
-        }
-      } else {
-        while (m + MR <= M) { SUDU_DOT(dot_q8_rows, MR); }
-        switch (M - m) {
-          case 3: SUDU_DOT(dot_q8_rows, 3); break;
-          case 2: SUDU_DOT(dot_q8_rows, 2); break;
-          case 1: SUDU_DOT(dot_q8_rows, 1); break;
-          default: break;
-        }
+    for (int64_t n = n0; n < n1;) {
+      const int w = vnni && n + 1 < n1 ? 2 : 1;  // weight rows this round (VNNI: two share activation loads)
+      const uint8_t* rows[2];
+      const float* sfs[2] = {sf.data(), sf.data() + nbp};
+      for (int j = 0; j < w; ++j) {
+        rows[j] = q + (n + j) * row_bytes;
+        for (int64_t off = 0; off < row_bytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + off + PREFETCH_BYTES), _MM_HINT_T0);
+        row_scales(s + (n + j) * ngroups, INT4 ? mn + (n + j) * ngroups : nullptr, G, nb, sf.data() + j * nbp,
+                   mf.data() + j * nbp);
       }
+      if (vnni && w == 2) {
+        vnni_all_rows<INT4, 2>(rows, nb, sfs, xq.data(), K, sx.data(), nbp, M, out.data());
+      } else if (vnni) {
+        vnni_all_rows<INT4, 1>(rows, nb, sfs, xq.data(), K, sx.data(), nbp, M, out.data());
+      } else {
+        int64_t m = 0;
+#define SUDU_DOT(R) dot_q8_rows<INT4, R>(rows[0], nb, sf.data(), xq.data() + m * K, K, sx.data() + m * nbp, nbp, out.data() + m)
+        for (; m + MR <= M; m += MR) SUDU_DOT(MR);
+        switch (M - m) {
+          case 3: SUDU_DOT(3); break;
+          case 2: SUDU_DOT(2); break;
+          case 1: SUDU_DOT(1); break;
+          default: break;
+        }
 #undef SUDU_DOT
+      }
+      for (int j = 0; j < w; ++j) {
+        const float bn = bias ? bias[n + j] : 0.f;
+        for (int64_t m = 0; m < M; ++m)
+          y[m * N + n + j] = out[j * M + m] + (INT4 ? min_term(mf.data() + j * nbp, xsum.data() + m * nbp, nbp) : 0.f) + bn;
+      }
+      n += w;
     }
   });
 }
