@@ -10,6 +10,7 @@ process pays the ~30-60 s compile.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -24,13 +25,24 @@ _state: dict[str, object] = {}
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_has_avx2_fma() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags)
+        return frozenset()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+def _headers_sha() -> str:
+    digest = hashlib.sha256()
+    for header in sorted(Path(__file__).parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def build_dir() -> Path:
@@ -70,7 +82,8 @@ def _compile():
             name="sudu_kernels",
             sources=[str(p) for p in _SOURCES],
             # No -march=native: the cached build must run on any AVX2 machine that shares $SUDU_HOME.
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            # the headers' hash as a define: torch rebuilds when sources or flags change, not headers
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSUDU_HEADERS_SHA={_headers_sha()}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(path),
             verbose=False,

@@ -19,6 +19,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "simd.h"
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -26,12 +28,6 @@
 
 namespace {
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // 8 float32 or int8 values as floats
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -107,7 +103,7 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
               const float* qh = qrow + h * q_head_stride;
               __m256 a = _mm256_setzero_ps();
               for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
-              s = hsum8(a) * kscale;
+              s = hsum(a) * kscale;
             }
             score[(i * G + h) * L + j] = s;
           }
@@ -138,7 +134,7 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
               tail += buf[u];
             }
           }
-          inv_sum[i * G + h] = 1.0f / (hsum8(sum) + tail);
+          inv_sum[i * G + h] = 1.0f / (hsum(sum) + tail);
         }
       }
       // weighted values: each value vector once, into every (row, head) accumulator, in key order

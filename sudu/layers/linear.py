@@ -45,12 +45,7 @@ DEQUANT_SLICE_BYTES = 64 << 20
 
 
 def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & kernels.cpu_flags())
 
 
 PREFILL_DTYPE = torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
