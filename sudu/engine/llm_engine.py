@@ -163,8 +163,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return [self._make_output(state) for state in touched.values()]
-        decodes = sum(1 for s in scheduled if s.samples and s.num_new_tokens == 1)
-        prefill_tokens = sum(s.num_new_tokens for s in scheduled if not (s.samples and s.num_new_tokens == 1))
+        prefill_tokens = [s.num_new_tokens for s in scheduled if not (s.samples and s.num_new_tokens == 1)]
+        decodes = len(scheduled) - len(prefill_tokens)
         now = time.perf_counter()
         for s in scheduled:
             m = self.requests[s.seq.request_id].metrics
@@ -199,7 +199,7 @@ class LLMEngine:
             self._accept_speculated(s, seq_logits, drafts[s.seq.seq_id], state)
             touched[s.seq.request_id] = state
         # (drafts are added after the counts above, so a speculative decode counts as a decode)
-        self.scheduler.chunk_budget.observe(decodes, prefill_tokens, time.perf_counter() - start)
+        self.scheduler.chunk_budget.observe(decodes, sum(prefill_tokens), time.perf_counter() - start)
         return [self._make_output(state) for state in touched.values()]
 
     def _first_token(self, seq: Sequence, now: float) -> RequestState:

@@ -50,7 +50,7 @@ class ChunkBudget:
     UNMEASURED = 48  # tokens per step (times the queue pressure) before any decode-only step
     FLOOR = 4
 
-    def __init__(self, fixed: int, ceiling: int, itl_factor: float = 2.5, alpha: float = 0.3):
+    def __init__(self, fixed: int, ceiling: int, itl_factor: float = 2.0, alpha: float = 0.3):
         self.fixed = fixed
         self.ceiling = ceiling
         self.itl_factor = itl_factor
@@ -89,7 +89,7 @@ class ChunkBudget:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_when_decoding: int = 0, itl_factor: float = 2.5):
+                 prefill_chunk_when_decoding: int = 0, itl_factor: float = 2.0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
