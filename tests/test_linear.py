@@ -65,7 +65,8 @@ def test_quantization_error_is_bounded_by_the_grid(fmt):
 
 @pytest.mark.parametrize("fmt", L.FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 33, 100, 300])  # 300: the prefill GEMM path
-@pytest.mark.parametrize("k", [160, 352])  # 352: 11 blocks, the kernel's 8-wide scale loop plus a tail
+# 96, 160, 192, 352: 3, 5, 6, 11 blocks (int4: groups of 4, a last pair, a last odd block); 352: the scale loop's tail
+@pytest.mark.parametrize("k", [96, 160, 192, 352])
 def test_output_matches_float_reference_of_dequantized_weights(fmt, rows, k):
     _, _, layer = make_layer(fmt, k=k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -74,7 +75,7 @@ def test_output_matches_float_reference_of_dequantized_weights(fmt, rows, k):
 
 @pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
 @pytest.mark.parametrize("fmt", L.FORMATS)
-@pytest.mark.parametrize("k", [160, 352])  # 5 and 11 blocks: odd block counts take the kernels' tail paths
+@pytest.mark.parametrize("k", [96, 128, 160, 192, 352])  # 3-11 blocks: every tail path of the kernels
 def test_kernel_rows_do_not_depend_on_batch_size(fmt, k):
     """Every row goes through the same float operations whatever the row count, so a row's result is bit
     for bit the same alone, in any batch, and on either instruction set (AVX2 or AVX-512 VNNI)."""

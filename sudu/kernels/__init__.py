@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use.
 
-`load()` returns the compiled extension (bindings.cpp: quant_linear.cpp's quantized linear layers and
-attention.cpp's attention over the paged KV pool), or None when it cannot
+`load()` returns the compiled extension (bindings.cpp: quant_linear.cpp's quantized linear layers,
+attention.cpp's attention over the paged KV pool, ops.cpp's elementwise decoder steps), or None when it cannot
 be used: `SUDU_NO_EXT=1`, a CPU without AVX2/FMA, or a failed compile. Callers then take the PyTorch
 path; a failure is reported once as a one-line warning, never raised, because the extension is a speed
 lever, not a requirement. The build is cached under $SUDU_HOME/torch_extensions so only the first
@@ -19,7 +19,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "attention.cpp", "ops.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -59,7 +59,10 @@ def disabled_reason() -> str | None:
 
 
 def load():
-    """The compiled extension module, or None (see the module docstring)."""
+    """The compiled extension module, or None (see the module docstring). Decided once per process: the
+    attention and rotary layers call this on every step."""
+    if "module" in _state:
+        return _state["module"]
     reason = disabled_reason()
     if reason is not None:
         return None

@@ -1,9 +1,11 @@
 """The gated feed-forward block of llama-family and gemma networks: down(act(gate(x)) * up(x))."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sudu import kernels
 from sudu.layers.linear import fuse_linears
 
 ACTIVATIONS = {
@@ -18,6 +20,9 @@ class GatedMLP(nn.Module):
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {hidden_act!r}")
         self.act = ACTIVATIONS[hidden_act]
+        ext = kernels.load()
+        # silu(gate) * up in one native pass (kernels/ops.cpp) for float32 rows
+        self._silu_mul = ext.silu_mul if ext is not None and hidden_act == "silu" else None
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -32,6 +37,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if self._silu_mul is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+                return self.down_proj(self._silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from sudu import kernels
+
 
 class RotaryEmbedding:
     """cos/sin tables for one (head_dim, base, scaling) triple, computed once up to max_positions."""
@@ -28,3 +30,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotate_heads_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads_total, head_dim]; the first `heads` heads rotated (in place with the native kernel,
+    kernels/ops.cpp, for float32; else by apply_rotary). Returns x."""
+    ext = kernels.load()
+    if ext is not None and x.dtype == torch.float32 and cos.dtype == torch.float32 and x.stride(1) == x.shape[2] \
+            and x.stride(2) == 1:
+        ext.rotary_(x, cos.contiguous(), sin.contiguous(), heads)
+        return x
+    x[:, :heads] = apply_rotary(x[:, :heads], cos, sin)
+    return x

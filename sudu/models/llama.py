@@ -8,7 +8,7 @@ from torch import nn
 from sudu.layers.attention import AttentionMetadata, QKVProjections, paged_attention
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
-from sudu.layers.rotary import RotaryEmbedding, apply_rotary
+from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
 from sudu.models.config import ModelConfig
 
 
@@ -28,9 +28,8 @@ class LlamaAttention(QKVProjections, nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T, H, Hk = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.project_qkv(x).view(T, H + 2 * Hk, self.head_dim)
-        qk = apply_rotary(qkv[:, :H + Hk], cos, sin)  # q and k heads rotated in one pass
-        o = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hk:], self.layer_idx, meta, self.scale, sliding=False)
+        qkv = rotate_heads_(self.project_qkv(x).view(T, H + 2 * Hk, self.head_dim), H + Hk, cos, sin)  # q and k heads
+        o = paged_attention(qkv[:, :H], qkv[:, H:H + Hk], qkv[:, H + Hk:], self.layer_idx, meta, self.scale, sliding=False)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -42,9 +41,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta):
+        """x: the previous layer's output (the embeddings at layer 0, with residual None); residual: the
+        residual stream before it. Returns (this layer's output, the residual stream before it): each residual
+        add is done in one pass with the norm that follows it (RMSNorm.add_forward)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(residual, x)
+        residual, h = self.post_attention_layernorm.add_forward(residual, self.self_attn(h, cos, sin, meta))
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -69,9 +75,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] (all sequences' new tokens, flat). Returns final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta)
+        return self.model.norm.add_forward(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

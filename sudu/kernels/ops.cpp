@@ -1,0 +1,133 @@
+// The elementwise steps of a decoder layer, one pass each over float32 rows: RMSNorm (alone, or fused
+// with the residual add before it), the SiLU-gated product of the MLP, and the rotary embedding in place.
+// On the few rows of a decode step PyTorch spends more time dispatching these than computing them
+// (F.rms_norm alone runs five kernels on CPU). Each row's result depends on that row only, whatever the
+// batch; large inputs (prefill) are split by rows over threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "simd.h"
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+// rows per task: about 16K floats, so decode rows stay on the calling thread
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
+
+// out = x * rsqrt(mean(x^2) + eps) * w, as F.rms_norm computes it in float32
+void rms_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (; j < n; ++j) ss += x[j] * x[j];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (j = 0; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), iv), _mm256_loadu_ps(w + j)));
+  for (; j < n; ++j) out[j] = x[j] * inv * w[j];
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, n]");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.is_contiguous() && w.numel() == x.size(1), "w must be float32 [n]");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, w);
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain(n), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rms_row(xp + t * n, wp, static_cast<float>(eps), n, op + t * n);
+  });
+  return out;
+}
+
+// (x + delta, rms_norm(x + delta)): the residual add and the next norm in one pass.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps) {
+  check_rows(x, w);
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == torch::kFloat && delta.is_contiguous(), "bad delta");
+  auto sum = torch::empty_like(x), out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float *xp = x.data_ptr<float>(), *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain(n), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < n; ++j) sp[t * n + j] = xp[t * n + j] + dp[t * n + j];
+      rms_row(sp + t * n, wp, static_cast<float>(eps), n, op + t * n);
+    }
+  });
+  return {sum, out};
+}
+
+// gu [T, 2I] (gate | up) -> silu(gate) * up [T, I], silu(g) = g / (1 + exp(-g))
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
+              "gate_up must be contiguous float32 [T, 2I]");
+  const int64_t I = gu.size(1) / 2;
+  auto out = torch::empty({gu.size(0), I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, gu.size(0), grain(I), [&](int64_t t0, int64_t t1) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = gp + t * 2 * I, *u = g + I;
+      float* o = op + t * I;
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+      }
+      for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    }
+  });
+  return out;
+}
+
+// x [T, heads_total, D] (any row stride, heads contiguous): the first `heads` heads of each row rotated in
+// place by the rotate-half convention, out = x * cos + rotate_half(x) * sin with cos, sin [T, D].
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be float32 [T, heads, D] with contiguous heads");
+  const int64_t T = x.size(0), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && heads <= x.size(1), "bad head count or size");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat &&
+              sin.scalar_type() == torch::kFloat && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "cos, sin must be float32 [T, D]");
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t rs = x.stride(0);
+  at::parallel_for(0, T, grain(heads * D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *c = cp + t * D, *s = sp + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + t * rs + h * D;
+        int64_t j = 0;
+        for (; j + 8 <= half; j += 8) {
+          const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + half + j);
+          const __m256 ra = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + j)), _mm256_mul_ps(b, _mm256_loadu_ps(s + j)));
+          const __m256 rb = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + j)),
+                                          _mm256_mul_ps(a, _mm256_loadu_ps(s + half + j)));
+          _mm256_storeu_ps(v + j, ra);
+          _mm256_storeu_ps(v + half + j, rb);
+        }
+        for (; j < half; ++j) {
+          const float a = v[j], b = v[half + j];
+          v[j] = a * c[j] - b * s[j];
+          v[half + j] = b * c[half + j] + a * s[half + j];
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,60 @@
+"""The native elementwise decoder steps (kernels/ops.cpp) against their PyTorch definitions."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sudu import kernels
+from sudu.layers.norm import RMSNorm
+from sudu.layers.rotary import RotaryEmbedding, apply_rotary, rotate_heads_
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+
+
+def g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])  # 700 x 100: split over threads
+@pytest.mark.parametrize("n", [100, 896])  # 100: a tail after the 8-wide loop
+def test_rms_norm_and_fused_residual_add(rows, n):
+    ext = kernels.load()
+    x, d, w = torch.randn(rows, n, generator=g(0)) * 3, torch.randn(rows, n, generator=g(1)), torch.randn(n, generator=g(2))
+    torch.testing.assert_close(ext.rms_norm(x, w, 1e-6), F.rms_norm(x, (n,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    s, out = ext.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(s, x + d)
+    torch.testing.assert_close(out, F.rms_norm(x + d, (n,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    # each row on its own: the same bits alone as in the batch
+    assert torch.equal(ext.rms_norm(x[-1:], w, 1e-6), ext.rms_norm(x, w, 1e-6)[-1:])
+
+
+def test_rmsnorm_module_uses_one_path_for_forward_and_add_forward():
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g(3)))
+    x, d = torch.randn(4, 64, generator=g(4)), torch.randn(4, 64, generator=g(5))
+    s, out = norm.add_forward(x, d)
+    assert torch.equal(out, norm(x + d))
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 4864), (2, 20), (300, 96)])
+def test_silu_mul(rows, inter):
+    gu = torch.randn(rows, 2 * inter, generator=g(6)) * 6
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.load().silu_mul(gu), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 20])  # 20: half of 10, a tail after the 8-wide loop
+def test_rotary_in_place_matches_apply_rotary(head_dim):
+    rope = RotaryEmbedding(head_dim, 10000.0, 512)
+    pos = torch.tensor([0, 7, 300, 511])
+    cos, sin = rope.lookup(pos, torch.float32)
+    base = torch.randn(4, 6, head_dim, generator=g(7))  # 4 q heads + 1 k head rotated, 1 v head untouched
+    ref = apply_rotary(base[:, :5], cos, sin)
+    out = rotate_heads_(base.clone(), 5, cos, sin)
+    torch.testing.assert_close(out[:, :5], ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[:, 5:], base[:, 5:])
+    # rows with a stride (the fused qkv projection's view) rotate the same
+    wide = torch.randn(4, 9, head_dim, generator=g(8))
+    wide[:, :6] = base
+    rotate_heads_(wide[:, :6], 5, cos, sin)
+    assert torch.equal(wide[:, :6], out)
