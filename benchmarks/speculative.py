@@ -57,44 +57,53 @@ def greedy(n: int) -> SamplingParams:
 
 
 def decode_run(llm: LLM, prompt: list[int], n: int):
+    """(decode tok/s from the first token to the last, TTFT in s, result). The draft model's prompt is
+    computed in the target's prompt step, so it shows in TTFT, not in decode tok/s."""
     r = llm.generate([prompt], greedy(n))[0]
     m = r.metrics
-    return (n - 1) / (m.finished_time - m.first_token_time), r
+    return (n - 1) / (m.finished_time - m.first_token_time), m.first_token_time - m.arrival_time, r
 
 
-def forward_cost_s(llm: LLM, ctx: int, new_tokens: int, repeat: int = 5) -> float:
-    """Median time of one target forward over new_tokens tokens after ctx cached ones."""
-    eng = llm.engine
-    seq = Sequence("cost", 0, list(range(1000, 1000 + ctx + new_tokens)), ctx, greedy(1), 0, 0.0, ctx + new_tokens + 1)
-    eng.block_manager.allocate(seq, ctx + new_tokens)
+def forward_cost_s(runner, block_manager, ctx: int, new_tokens: int, repeat: int = 5) -> float:
+    """Median time of one forward over new_tokens tokens after ctx cached ones, with logits for all of
+    them (as verification computes them)."""
+    # the context and the last token; the other new tokens ride as drafts (one logits row each)
+    seq = Sequence("cost", 0, list(range(1000, 1000 + ctx + 1)), ctx, greedy(1), 0, 0.0, ctx + new_tokens + 1)
+    block_manager.allocate(seq, ctx + new_tokens)
     seq.num_computed_tokens = ctx
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        eng.runner.execute([ScheduledSeq(seq, new_tokens)])
+        runner.execute([ScheduledSeq(seq, new_tokens, list(range(2000, 2000 + new_tokens - 1)))])
         times.append(time.perf_counter() - t0)
     seq.num_computed_tokens = 0
-    eng.block_manager.free_sequence(seq)
+    block_manager.free_sequence(seq)
     return sorted(times)[len(times) // 2]
 
 
-def compare(name: str, plain: LLM, spec: LLM, prompts: dict, n: int, k: int, draft: LLM | None = None) -> None:
-    print(f"\n## {name}\n\n| workload | plain tok/s | speculative tok/s | speedup | acceptance | tokens/verify | identical |")
-    print("|---|---|---|---|---|---|---|")
+def compare(name: str, plain: LLM, spec: LLM, prompts: dict, n: int, k: int, draft: bool = False) -> None:
+    print(f"\n## {name}\n\n| workload | plain tok/s | speculative tok/s | speedup | acceptance | tokens/verify "
+          f"| TTFT plain / speculative (s) | identical |")
+    print("|---|---|---|---|---|---|---|---|")
+    for llm in (plain, spec):  # warm-up: first-touch of the weights and kernels stays out of the figures
+        llm.generate(list(prompts.values()), greedy(8))
     for wl, prompt in prompts.items():
-        p_tps, p_r = decode_run(plain, prompt, n)
-        s_tps, s_r = decode_run(spec, prompt, n)
+        p_tps, p_ttft, p_r = decode_run(plain, prompt, n)
+        s_tps, s_ttft, s_r = decode_run(spec, prompt, n)
         m = s_r.metrics
         acc = m.acceptance_rate or 0.0
         print(f"| {wl} | {p_tps:.2f} | {s_tps:.2f} | {s_tps / p_tps:.2f}x | {acc:.2f} | "
-              f"{m.mean_accepted_len or 1:.2f} | {s_r.token_ids == p_r.token_ids} |", flush=True)
+              f"{m.mean_accepted_len or 1:.2f} | {p_ttft:.2f} / {s_ttft:.2f} | {s_r.token_ids == p_r.token_ids} |",
+              flush=True)
     ctx = len(prompts["edit"]) + n // 2
-    one = forward_cost_s(plain, ctx, 1)
-    many = forward_cost_s(plain, ctx, k + 1)
+    eng = plain.engine
+    one = forward_cost_s(eng.runner, eng.block_manager, ctx, 1)
+    many = forward_cost_s(eng.runner, eng.block_manager, ctx, k + 1)
     print(f"\ncost arithmetic: target forward 1 token {1000 * one:.0f} ms, {k + 1} tokens {1000 * many:.0f} ms "
           f"(verify cost {many / one:.2f}x a step)")
-    if draft is not None:
-        d_one = forward_cost_s(draft, ctx, 1)
+    if draft:
+        drafter = spec.engine.drafter  # the draft model as the drafter runs it (its own head)
+        d_one = forward_cost_s(drafter.runner, drafter.block_manager, ctx, 1)
         c = d_one / one
         print(f"draft step {1000 * d_one:.0f} ms = {c:.2f} of a target step; with acceptance a and k={k} drafts, "
               f"tokens per step = (1 - a^(k+1)) / (1 - a), cost per step = {k} x {c:.2f} + {many / one:.2f} "
@@ -138,7 +147,7 @@ def main() -> None:
     if "draft" in parts:
         target = LLM(LARGE, progress=False, quantization=q)
         spec = LLM(LARGE, progress=False, quantization=q, speculative=f"draft:{SMALL}", num_speculative_tokens=args.k)
-        compare(f"draft model {SMALL} -> {LARGE}", target, spec, prompts, args.tokens, args.k, draft=small)
+        compare(f"draft model {SMALL} -> {LARGE}", target, spec, prompts, args.tokens, args.k, draft=True)
         del target, spec
     if "batch" in parts:
         del small

@@ -34,6 +34,9 @@ class EngineConfig:
     speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
     num_speculative_tokens: int = 4  # most draft tokens per sequence per step (adapted per sequence)
     speculative_max_batch: int = 8  # speculation pauses while more sequences than this are decoding (measured: docs/benchmarks.md)
+    # draft model's output head: only the first N token ids (in BPE merge order, the most frequent) and the
+    # special tokens; 0 = the whole vocabulary. Lossless either way (the target verifies every token).
+    speculative_draft_vocab: int = 65536
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 
@@ -52,6 +55,8 @@ class EngineConfig:
             # k drafts + 1 verified rows must fit the native attention kernel (NATIVE_MAX_Q = 8), whose rows
             # do not depend on each other: what keeps greedy verification identical to plain decoding
             raise ValueError("num_speculative_tokens must be between 1 and 7")
+        if self.speculative_draft_vocab < 0:
+            raise ValueError("speculative_draft_vocab must be >= 0 (0 = the whole vocabulary)")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.sliding_window_kv not in ("ring", "full"):

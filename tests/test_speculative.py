@@ -61,14 +61,15 @@ def prompts(n, seed):
     return out
 
 
-@pytest.mark.parametrize("spec,batch", [
-    ("ngram", 1), ("ngram", 8), ("draft", 1), ("draft", 8), ("self", 8),
+@pytest.mark.parametrize("spec,batch,draft_vocab", [
+    ("ngram", 1, 0), ("ngram", 8, 0), ("draft", 1, 0), ("draft", 8, 0), ("self", 8, 0),
+    ("draft", 8, 200),  # the draft head limited to ids < 200 (+ specials): the target still decides
 ])
-def test_greedy_identical_with_speculation(engines, spec, batch):
+def test_greedy_identical_with_speculation(engines, spec, batch, draft_vocab):
     ps = prompts(50, seed=batch)
     params = SamplingParams(max_tokens=16, **GREEDY)
     plain = [r.token_ids for r in engines().generate(ps, params)]
-    llm = engines(spec, speculative_max_batch=64)
+    llm = engines(spec, speculative_max_batch=64, speculative_draft_vocab=draft_vocab)
     got = []
     for i in range(0, len(ps), batch):
         got += [r.token_ids for r in llm.generate(ps[i:i + batch], params)]
@@ -121,11 +122,13 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert stat < chi2_critical(df), (stat, df)
 
 
-def test_speculative_sampling_matches_plain_sampling_distribution(engines):
-    """Engine level: the second generated token's distribution with a draft model equals the exact
-    marginal computed from the target's logits (top_k=8, 10,000 samples)."""
+@pytest.mark.parametrize("draft_vocab", [0, 200])
+def test_speculative_sampling_matches_plain_sampling_distribution(engines, draft_vocab):
+    """Engine level: the second generated token's distribution with a draft model (whole or partial head)
+    equals the exact marginal computed from the target's logits (top_k=8, 10,000 samples)."""
     plain = engines()
-    spec = engines("draft", speculative_max_batch=100000, max_num_seqs=256, max_num_batched_tokens=100000)
+    spec = engines("draft", speculative_max_batch=100000, max_num_seqs=256, max_num_batched_tokens=100000,
+                   speculative_draft_vocab=draft_vocab)
     prompt = prompts(1, 9)[0][:4]  # short: the 10,000 prefills stay cheap
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=3, ignore_eos=True)
     # exact marginal of token 2: sum over token 1 of p(t1) p(t2 | t1), through the engine's own forward
@@ -145,6 +148,40 @@ def test_speculative_sampling_matches_plain_sampling_distribution(engines):
     assert spec.engine.num_draft_tokens > 1000
     stat, df = chi2_stat(counts, marginal)
     assert stat < chi2_critical(df), (stat, df)
+
+
+def test_draft_head_subset_and_prompt_in_the_first_step(engines):
+    """The draft head keeps ids < speculative_draft_vocab plus the special tokens, and the draft model's
+    prompt KV is computed in the step that completes the target's prompt (time to first token), not in
+    the first speculative step."""
+    llm = engines("draft", speculative_max_batch=64, speculative_draft_vocab=200)
+    eng = llm.engine
+    keep = eng.drafter.keep
+    base = eng.tokenizer.backend.get_vocab_size(with_added_tokens=False)
+    assert keep.tolist() == list(range(200)) + list(range(base, eng.model_config.vocab_size))
+    assert eng.drafter.runner.model.lm_head.out_features == keep.numel()
+    prompt = (prompts(1, 31)[0] * 40)[:40]  # 40 tokens: two full blocks for the draft's prefix cache
+    computed = []
+    execute = eng.drafter.runner.execute
+    eng.drafter.runner.execute = lambda batch: computed.append(sum(s.num_new_tokens for s in batch)) or execute(batch)
+    try:
+        for rid in ("p", "again"):
+            computed.clear()
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=4, **GREEDY))
+            eng.step()  # the whole prompt fits one step
+            (shadow, _), = eng.drafter.shadows.values()
+            assert shadow.num_computed_tokens == len(prompt)
+            prompt_work = sum(computed)
+            while eng.has_unfinished():
+                eng.step()
+            assert not eng.drafter.shadows
+            if rid == "p":
+                assert prompt_work == len(prompt)
+            else:  # the same prompt again: the draft's prompt blocks come from its prefix cache
+                bs = eng.config.block_size
+                assert bs <= 16 and prompt_work == len(prompt) - (len(prompt) - 1) // bs * bs < len(prompt)
+    finally:
+        eng.drafter.runner.execute = execute
 
 
 def test_stress_with_speculation_returns_every_block(engines):

@@ -170,7 +170,13 @@ class LLMEngine:
             m = self.requests[s.seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        drafts = self._draft(scheduled) if self.drafter is not None else {}
+        drafts = {}
+        if self.drafter is not None:
+            # prompts completing in this step: the drafter's own prompt work goes into this step (TTFT)
+            finishing = [s.seq for s in scheduled if s.samples and s.seq.num_output_tokens == 0]
+            if finishing:
+                self.drafter.prefill(finishing)
+            drafts = self._draft(scheduled)
         logits = self.runner.execute(scheduled)
         self.num_steps += 1
         plain, plain_rows, speculated = [], [], []
