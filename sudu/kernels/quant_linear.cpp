@@ -112,11 +112,14 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, fl
 // buffers to a multiple of 8 blocks, so the min term below needs no tail loop.
 inline void row_scales(const uint16_t* s, const uint16_t* mn, int64_t G, int64_t nb, float* sf, float* mf) {
   int64_t b = 0;
-  if (G == 32) {  // one scale per block: convert 8 at a time (F16C)
-    for (; b + 8 <= nb; b += 8) {
-      _mm256_storeu_ps(sf + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b))));
-      if (mn) _mm256_storeu_ps(mf + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b))));
-    }
+  if (G == 32 && nb >= 8) {  // one scale per block: convert 8 at a time (F16C)
+    auto eight = [&](int64_t at) {
+      _mm256_storeu_ps(sf + at, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
+      if (mn) _mm256_storeu_ps(mf + at, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + at))));
+    };
+    for (; b + 8 <= nb; b += 8) eight(b);
+    if (b < nb) eight(nb - 8);  // the tail: the last 8, overlapping (same values rewritten), no scalar loop
+    return;
   }
   GroupCursor cur(32 * b, G);
   for (; b < nb; ++b) {
