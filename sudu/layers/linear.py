@@ -203,7 +203,7 @@ AUTO_FORMAT = "int4"
 # ... except the output head, which `auto` keeps at 8 bits (as llama.cpp's Q4_K_M keeps it at 6-8): the most
 # sensitive matrix (it alone decides the argmax), and in the catalog's files already Q8_0, copied exactly.
 # Costs ~1 ms per decoded token on the 0.5B. Measured (tests/test_quantization_accuracy.py,
-# docs/cpu_speed.md): int4 everywhere 96.1%, +3.12% (misses); auto 96.7%, +1.23%; int8 98.6%, +0.37%.
+# docs/cpu_speed.md): int4 everywhere 96.1%, +3.30% (misses); auto 96.7%, +1.41%; int8 98.0%, +1.00%.
 AUTO_HEAD_FORMAT = "int8"
 FLOAT_GGML_TYPES = {"F32", "F16", "BF16"}
 
