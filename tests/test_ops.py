@@ -58,3 +58,30 @@ def test_rotary_in_place_matches_apply_rotary(head_dim):
     wide[:, :6] = base
     rotate_heads_(wide[:, :6], 5, cos, sin)
     assert torch.equal(wide[:, :6], out)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_native_decode_stack_matches_the_layers_bit_for_bit(tiny_model_dirs, fmt):
+    """kernels/decoder.cpp runs a decode step's whole decoder stack in one call; every row must come out
+    exactly as through models/llama.py's layers (same ops, same order), and steps it does not cover (prompt
+    chunks) must keep taking the layers."""
+    from sudu.engine.llm import LLM
+    from sudu.sampling import SamplingParams
+
+    # no prefix cache: the second run must compute every prompt in the same steps as the first (cached KV
+    # from a step of another composition differs in the last bits: prompt rows attend through SDPA)
+    llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, quantization=fmt, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model._native_decode is not None
+    fn, weights = model._native_decode
+    calls = []
+    model._native_decode = (lambda *a: calls.append(a[0].shape[0]) or fn(*a), weights)
+    prompts = [[5, 9, 13, 21, 8] * (i + 1) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    native = llm.generate(prompts, params)
+    assert calls and max(calls) <= 6  # decode steps went native; prompt steps did not
+    model._native_decode = None
+    layers = llm.generate(prompts, params)
+    for a, b in zip(native, layers):
+        assert a.token_ids == b.token_ids
+        assert [(lp.logprob, lp.top) for lp in a.outputs[0].logprobs] == [(lp.logprob, lp.top) for lp in b.outputs[0].logprobs]

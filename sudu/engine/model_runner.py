@@ -75,6 +75,8 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     for module in model.modules():
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()
+    if hasattr(model, "prepare_native_decode"):  # llama family: the one-call decode stack (kernels/decoder.cpp)
+        model.prepare_native_decode()
     return model, fmt
 
 

@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use.
 
 `load()` returns the compiled extension (bindings.cpp: quant_linear.cpp's quantized linear layers,
-attention.cpp's attention over the paged KV pool, ops.cpp's elementwise decoder steps), or None when it cannot
+attention.cpp's attention over the paged KV pool, ops.cpp's elementwise decoder steps, decoder.cpp's
+decode-step stack), or None when it cannot
 be used: `SUDU_NO_EXT=1`, a CPU without AVX2/FMA, or a failed compile. Callers then take the PyTorch
 path; a failure is reported once as a one-line warning, never raised, because the extension is a speed
 lever, not a requirement. The build is cached under $SUDU_HOME/torch_extensions so only the first
@@ -19,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "attention.cpp", "ops.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "attention.cpp", "ops.cpp", "decoder.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

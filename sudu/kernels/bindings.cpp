@@ -1,10 +1,11 @@
 // The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers),
-// attention.cpp (attention of few new tokens over the paged KV pool) and ops.cpp (a decoder layer's
-// elementwise steps).
+// attention.cpp (attention of few new tokens over the paged KV pool), ops.cpp (a decoder layer's
+// elementwise steps) and decoder.cpp (a whole decode step's decoder stack).
 #include <torch/extension.h>
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size,
                       c10::optional<torch::Tensor> bias);
@@ -17,6 +18,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
+                           std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor rows,
+                           torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+                           torch::Tensor final_norm);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias");
@@ -29,4 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate the first `heads` heads of x [T, heads_total, D] in place (rotate-half)");
+  m.def("llama_decode", &llama_decode, "a llama-family decode step's decoder stack in one call (decoder.cpp)");
 }

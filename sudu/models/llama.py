@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sudu.layers.attention import AttentionMetadata, QKVProjections, paged_attention
+from sudu import kernels
+from sudu.layers import linear
+from sudu.layers.attention import NATIVE_MAX_Q, AttentionMetadata, QKVProjections, paged_attention
+from sudu.layers.kv_cache import KVCache
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
@@ -71,10 +74,50 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
+    def prepare_native_decode(self) -> None:
+        """After quantization and fusion (engine/model_runner.py prepare_network): collect the weights of
+        kernels/decoder.cpp's one-call decode stack, which steps of few-new-token sequences then take. It
+        applies to quantized fused projections (group 32), SiLU MLPs and float32 norms; otherwise every step
+        stays on the layers below."""
+        self._native_decode = None
+        ext = kernels.load()
+        if ext is None or self.model.norm.weight.dtype != torch.float32:
+            return
+        empty = torch.empty(0)
+        weights = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projs = [getattr(attn, "qkv_proj", None), attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            if (not all(isinstance(p, linear.QuantizedLinear) and p.group_size == 32 for p in projs)
+                    or mlp._silu_mul is None or attn.head_dim % 8):
+                return
+            for i, p in enumerate(projs):
+                if i in (0, 2):
+                    weights.append((layer.input_layernorm if i == 0 else layer.post_attention_layernorm).weight)
+                weights += [p.qweight, p.scales, p.mins, p.bias if p.bias is not None else empty]
+        self._native_decode = (ext.llama_decode, weights)
+
+    def _decode_natively(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The one-call native stack for a step of few-new-token sequences over float32 KV pools, or None."""
+        native = getattr(self, "_native_decode", None)
+        view, d = meta.full, meta.full.decode
+        if (native is None or x.dtype != torch.float32 or x.shape[0] >= linear.PREFILL_MIN_ROWS or d is None
+                or view.seqs or meta.sliding is not None or d.rows.shape[1] > NATIVE_MAX_Q
+                or not all(type(c) is KVCache and c.k.dtype == torch.float32 for c in meta.kv_caches)):
+            return None
+        fn, weights = native
+        attn = self.model.layers[0].self_attn
+        return fn(x, weights, [c.k for c in meta.kv_caches], [c.v for c in meta.kv_caches], view.slot_mapping, d.rows,
+                  d.slots, d.mask[:, 0], cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                  self.model.norm.eps, attn.scale, self.model.norm.weight)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] (all sequences' new tokens, flat). Returns final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
+        out = self._decode_natively(x, cos, sin, meta)
+        if out is not None:
+            return out
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, meta)
