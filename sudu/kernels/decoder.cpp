@@ -3,19 +3,7 @@
 // It chains the very functions the Python layers call (qlinear, add_rms_norm, rotary_, the KV write,
 // decode_attention, silu_mul), in the same order, so every row comes out bit for bit as through
 // models/llama.py: what this saves is the ~100 Python-level module calls and dispatches per layer.
-#include <torch/extension.h>
-
-#include <tuple>
-#include <vector>
-
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size,
-                      c10::optional<torch::Tensor> bias);
-void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
-                      torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gu);
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+#include "kernels.h"
 
 namespace {
 

@@ -1,0 +1,25 @@
+// The C++ entry points of sudu's native kernels, shared by bindings.cpp (the Python module) and by kernels
+// that call each other (decoder.cpp).
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size,
+                      c10::optional<torch::Tensor> bias);
+torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size, bool bf16);
+std::string isa();
+std::string set_isa(const std::string& name);
+void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
+                      torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
+                           std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor rows,
+                           torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+                           torch::Tensor final_norm);
