@@ -141,8 +141,7 @@ def draft_vocabulary(tokenizer, vocab_size: int, keep: int) -> torch.Tensor | No
     base = tokenizer.backend.get_vocab_size(with_added_tokens=False)
     if keep <= 0 or keep >= base:
         return None
-    special = [i for i in range(base, vocab_size)]
-    return torch.tensor(list(range(keep)) + special, dtype=torch.long)
+    return torch.cat([torch.arange(keep), torch.arange(base, vocab_size)])
 
 
 def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:

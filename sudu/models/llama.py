@@ -73,6 +73,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self._native_decode = None  # (kernels llama_decode, its weight list): set by prepare_native_decode
 
     def prepare_native_decode(self) -> None:
         """After quantization and fusion (engine/model_runner.py prepare_network): collect the weights of
@@ -84,22 +85,25 @@ class LlamaForCausalLM(nn.Module):
         if ext is None or self.model.norm.weight.dtype != torch.float32:
             return
         empty = torch.empty(0)
+
+        def quantized(p) -> list[torch.Tensor]:
+            return [p.qweight, p.scales, p.mins, p.bias if p.bias is not None else empty]
+
         weights = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projs = [getattr(attn, "qkv_proj", None), attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            if (not all(isinstance(p, linear.QuantizedLinear) and p.group_size == 32 for p in projs)
+            qkv, o, gate_up, down = getattr(attn, "qkv_proj", None), attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            if (not all(isinstance(p, linear.QuantizedLinear) and p.group_size == 32 for p in (qkv, o, gate_up, down))
                     or mlp._silu_mul is None or attn.head_dim % 8):
                 return
-            for i, p in enumerate(projs):
-                if i in (0, 2):
-                    weights.append((layer.input_layernorm if i == 0 else layer.post_attention_layernorm).weight)
-                weights += [p.qweight, p.scales, p.mins, p.bias if p.bias is not None else empty]
+            # the order decoder.cpp reads: 18 tensors per layer
+            weights += [layer.input_layernorm.weight, *quantized(qkv), *quantized(o),
+                        layer.post_attention_layernorm.weight, *quantized(gate_up), *quantized(down)]
         self._native_decode = (ext.llama_decode, weights)
 
     def _decode_natively(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor | None:
         """The one-call native stack for a step of few-new-token sequences over float32 KV pools, or None."""
-        native = getattr(self, "_native_decode", None)
+        native = self._native_decode
         view, d = meta.full, meta.full.decode
         if (native is None or x.dtype != torch.float32 or x.shape[0] >= linear.PREFILL_MIN_ROWS or d is None
                 or view.seqs or meta.sliding is not None or d.rows.shape[1] > NATIVE_MAX_Q
