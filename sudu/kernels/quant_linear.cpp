@@ -15,7 +15,8 @@
 // Activations are rounded to int8 in blocks of 32 (a float scale per block, as llama.cpp's Q8 activations),
 // and each (weight block, activation block) pair is an integer dot product (AVX2 maddubs + madd, or
 // AVX-512 VNNI vpdpbusd where the CPU has it: the same integers) followed by one float multiply-add with
-// the two blocks' scales. That is ~3x less arithmetic than dequantizing to float, so one-row decode is
+// the two blocks' scales (int4: one per 4 blocks, integer sums of 4 blocks' two halves sharing lanes;
+// see dot_q4_rows). That is far less arithmetic than dequantizing to float, so one-row decode is
 // bound by memory rather than compute, and every row, at every row count and on either instruction set,
 // goes through the same float operations in the same order: a row's result is bit for bit independent of
 // the batch it shares the call with (what makes greedy speculative decoding identical to plain decoding
@@ -77,7 +78,9 @@ inline void dequant_int4(const uint8_t* q, const uint16_t* s, const uint16_t* mn
 
 // x[0:K] -> int8 codes xq and per-32 scales sx (x ~= sx * xq); xsum[b] = sx[b] * sum(xq in block b).
 // Round to nearest even (the default MXCSR mode), x * (1 / d) as PyTorch would compute it in float32.
-inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, float* xsum) {
+// split (the int4 kernels' order): each group of 4 blocks is stored as the 4 blocks' first halves, then
+// their second halves (16 codes each), matching 64 bytes of int4 weights split into low and high nibbles.
+inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, float* xsum, bool split) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < K / 32; ++b) {
@@ -98,8 +101,15 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, fl
       total = _mm256_add_epi32(total, qi[j]);
     }
     // packs work per 128-bit lane; the permutation restores element order
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * b), _mm256_permutevar8x32_epi32(p, order));
+    __m256i p = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
+    if (split) {
+      int8_t* at = xq + 128 * (b / 4) + 16 * (b % 4);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm256_castsi256_si128(p));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 64), _mm256_extracti128_si256(p, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * b), p);
+    }
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
@@ -136,34 +146,33 @@ inline float min_term(const float* mf, const float* xsum, int64_t nbp) {
   return hsum(acc);
 }
 
+// Weights stream from memory once per call; every kernel prefetches this far ahead of its loads (one
+// prefetch per 64-byte line, measured best among 2-32 KiB: the hardware prefetcher alone leaves the
+// kernel 20-40% short of the bandwidth). Prefetching past the end is harmless (no fault).
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+// ---- int8 weights: two 32-blocks per 512-bit step ----
 // R activation rows (int8 codes xq with row stride ldx, block scales sx with row stride ldsx) against one
-// quantized weight row (block scales sf). Per block: sum(q * xq) in integers (maddubs + madd: 8 int32
-// lanes, each the sum of 4 adjacent products), converted to float and multiplied-added with the block
-// factor sx * sf, even blocks into one accumulator and odd ones into another; out[i] = hsum(acc0 + acc1).
-// The weight block is unpacked once and shared by the R rows, and each row's arithmetic is the same
-// whatever R is, so a row's result does not depend on how many rows share the call (bit for bit).
-template <bool INT4, int R>
+// int8 weight row (block scales sf). Per block: sum(q * xq) in integers (maddubs + madd: 8 int32 lanes,
+// each the sum of 4 adjacent products), converted to float and multiplied-added with the block factor
+// sx * sf, even blocks into one accumulator and odd ones into another; out[i] = hsum(acc0 + acc1).
+// Each row's arithmetic is the same whatever R is, so a row's result does not depend on how many rows
+// share the call (bit for bit).
+template <int R>
 inline void dot_q8_rows(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx,
                         const float* sx, int64_t ldsx, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i mask = _mm_set1_epi8(0x0F);
   __m256 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   auto block = [&](int64_t b, int parity) {
-    __m256i qv, qa;
-    if (INT4) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
-      qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-    } else {
-      qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
-      qa = _mm256_sign_epi8(qv, qv);
-    }
+    if (parity == 0) _mm_prefetch(reinterpret_cast<const char*>(q + 32 * b + PREFETCH_BYTES), _MM_HINT_T0);
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+    const __m256i qa = _mm256_sign_epi8(qv, qv);
     const __m256 sfv = _mm256_broadcast_ss(sf + b);
     for (int i = 0; i < R; ++i) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + 32 * b));
-      // int4: q in [0, 15] is the unsigned operand maddubs wants. int8: move q's sign onto x;
-      // |q|, |x| <= 127 cannot saturate int16.
-      const __m256i prod = INT4 ? _mm256_maddubs_epi16(qv, xv) : _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, qv));
+      // move q's sign onto x: |q|, |x| <= 127 cannot saturate int16
+      const __m256i prod = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, qv));
       const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
       const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(sx + i * ldsx + b), sfv);
       acc[i][parity] = _mm256_fmadd_ps(f, d, acc[i][parity]);
@@ -181,15 +190,23 @@ inline void dot_q8_rows(const uint8_t* q, int64_t nb, const float* sf, const int
 // The same dot products with AVX-512 VNNI, two blocks per 512-bit register: the low half holds the even
 // block (acc0 above), the high half the odd one (acc1). vpdpbusd sums four adjacent u8 x s8 products into
 // each int32 lane, exactly the integers maddubs + madd produce, and every float operation is the one of
-// dot_q8_rows, so results are bit for bit the same on AVX2-only machines and VNNI ones. int4: q in
-// [0, 15] is the unsigned operand. int8: x + 128 (x ^ 0x80) is the unsigned operand, and 128 * sum(q) is
-// subtracted (x + 128 in [1, 255]: exact in int32). Compiled for VNNI by attribute only: the caller
-// dispatches on the running CPU.
+// dot_q8_rows, so results are bit for bit the same on AVX2-only machines and VNNI ones. x + 128
+// (x ^ 0x80) is the unsigned operand, and 128 * sum(q) is subtracted (x + 128 in [1, 255]: exact in
+// int32). Compiled for VNNI by attribute only: the caller dispatches on the running CPU.
 #define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+// The 16 lanes' sum, in the order hsum(low 8 + high 8) (hsum itself is compiled for plain AVX2).
+SUDU_VNNI inline float hsum16(__m512 acc) {
+  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // W weight rows (1 or 2) at once: each activation block and its scale pair are loaded once for both.
 // out[j * ldo + i]: weight row j, activation row i.
-template <bool INT4, int R, int W>
+template <int R, int W>
 SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq,
                                 int64_t ldx, const float* sx, int64_t ldsx, float* out, int64_t ldo) {
   const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -206,45 +223,29 @@ SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* const* q, int64_t nb, const float
     __m512i qv[W], base[W];
     __m512 sfv[W];
     for (int j = 0; j < W; ++j) {
-      base[j] = _mm512_setzero_si512();
-      if (INT4) {
-        const __m256i mask = _mm256_set1_epi8(0x0F);
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[j] + 16 * b));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo b, lo b+1, hi b, hi b+1]
-        qv[j] = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));               // [lo b, hi b, lo b+1, hi b+1]
-      } else {
-        qv[j] = _mm512_loadu_si512(q[j] + 32 * b);
-        base[j] = _mm512_sub_epi32(base[j], _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qv[j]));
-      }
+      _mm_prefetch(reinterpret_cast<const char*>(q[j] + 32 * b + PREFETCH_BYTES), _MM_HINT_T0);
+      qv[j] = _mm512_loadu_si512(q[j] + 32 * b);
+      base[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qv[j]));
       sfv[j] = pair_of(sf[j] + b);
     }
     for (int i = 0; i < R; ++i) {
-      const __m512i xv = _mm512_loadu_si512(xq + i * ldx + 32 * b);
-      const __m512i xu = INT4 ? xv : _mm512_xor_si512(xv, flip);
+      const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(xq + i * ldx + 32 * b), flip);
       const __m512 sxv = pair_of(sx + i * ldsx + b);
       for (int j = 0; j < W; ++j) {
-        const __m512i sum = INT4 ? _mm512_dpbusd_epi32(base[j], qv[j], xv) : _mm512_dpbusd_epi32(base[j], xu, qv[j]);
+        const __m512i sum = _mm512_dpbusd_epi32(base[j], xu, qv[j]);
         acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
       }
     }
   }
   if (b < nb) {  // an odd last block: the low half only
     for (int j = 0; j < W; ++j) {
-      __m256i qv, base = _mm256_setzero_si256();
-      if (INT4) {
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[j] + 16 * b));
-        qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-      } else {
-        qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[j] + 32 * b));
-        base = _mm256_sub_epi32(base, _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), qv));
-      }
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[j] + 32 * b));
+      const __m256i base =
+          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), qv));
       const __m256 sfv = _mm256_broadcast_ss(sf[j] + b);
       for (int i = 0; i < R; ++i) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + 32 * b));
-        const __m256i sum = INT4 ? _mm256_dpbusd_epi32(base, qv, xv)
-                                 : _mm256_dpbusd_epi32(base, _mm256_xor_si256(xv, _mm256_set1_epi8(char(0x80))), qv);
+        const __m256i sum = _mm256_dpbusd_epi32(base, _mm256_xor_si256(xv, _mm256_set1_epi8(char(0x80))), qv);
         const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(sx + i * ldsx + b), sfv);
         acc[j][i] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(sum)), _mm512_castps256_ps512(d),
                                           acc[j][i], 0x00FF);
@@ -252,22 +253,96 @@ SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* const* q, int64_t nb, const float
     }
   }
   for (int j = 0; j < W; ++j)
-    for (int i = 0; i < R; ++i) {
-      // hsum(acc0 + acc1), written out: hsum itself is compiled for plain AVX2
-      const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc[j][i]), _mm512_extractf32x8_ps(acc[j][i], 1));
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      s = _mm_add_ss(s, _mm_movehdup_ps(s));
-      out[j * ldo + i] = _mm_cvtss_f32(s);
-    }
+    for (int i = 0; i < R; ++i) out[j * ldo + i] = hsum16(acc[j][i]);
 }
 
-// All M activation rows against W weight rows with the VNNI kernel, MR_VNNI rows per call.
+// ---- int4 weights: four 32-blocks (a quad) per 512-bit step ----
+// A quad's 64 weight bytes hold, in their low nibbles, the first halves of its 4 blocks (16 values each),
+// and in their high nibbles the second halves. The activations are quantized in the matching split order
+// (quantize_row_q8), so lane l of both integer dot products (low nibbles x first halves, high nibbles x
+// second halves; 4 products per lane each) belongs to block l / 4: the two add up in integers, and one
+// float multiply-add covers 4 blocks, where the int8 kernel needs one per 2. The float work per weight
+// is a quarter of what it was with one block pair per step, so one-row decode is bound by memory, not
+// by the vector units. Lane factors: sx and sf per block, expanded to 4 lanes each (sxe: 16 floats per
+// quad and row, zero past the last block; sf: zero-padded). The AVX2 kernel below computes the same
+// lanes as two 8-lane halves: the same integers, the same float operations, bit for bit the same rows.
+template <int R>
+inline void dot_q4_rows(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx,
+                        const float* sxe, int64_t ldse, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i half_lanes[2] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)};
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; 4 * c < nb; ++c) {
+    const __m256 sf4 = _mm256_castps128_ps256(_mm_loadu_ps(sf + 4 * c));
+    _mm_prefetch(reinterpret_cast<const char*>(q + 64 * c + PREFETCH_BYTES), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t blocks = nb - 4 * c - 2 * h;  // this half's blocks: 2 (or more), 1, or none
+      if (blocks <= 0) break;  // the VNNI kernel adds 0 * 0 there: acc unchanged
+      const uint8_t* at = q + 64 * c + 32 * h;
+      const __m256i raw = blocks >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                      : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+      const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      const __m256 sfv = _mm256_permutevar8x32_ps(sf4, half_lanes[h]);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* xa = xq + i * ldx + 128 * c + 32 * h;
+        // q in [0, 15] is the unsigned operand maddubs wants; 2 * 15 * 127 cannot saturate int16
+        const __m256i sum = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa))), ones),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 64))), ones));
+        const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(sxe + i * ldse + 16 * c + 8 * h), sfv);
+        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+// W weight rows (1 or 2) at once, as dot_q8_rows_vnni. A short last quad is loaded masked (zeros).
+template <int R, int W>
+SUDU_VNNI void dot_q4_rows_vnni(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq,
+                                int64_t ldx, const float* sxe, int64_t ldse, float* out, int64_t ldo) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i quad_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[W][R];
+  for (int j = 0; j < W; ++j)
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; 4 * c < nb; ++c) {
+    const int64_t left = nb - 4 * c;
+    __m512i lo[W], hi[W];
+    __m512 sfv[W];
+    for (int j = 0; j < W; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(q[j] + 64 * c + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m512i raw = left >= 4 ? _mm512_loadu_si512(q[j] + 64 * c)
+                                    : _mm512_maskz_loadu_epi8((1ULL << (16 * left)) - 1, q[j] + 64 * c);
+      lo[j] = _mm512_and_si512(raw, mask);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+      sfv[j] = _mm512_permutexvar_ps(quad_lanes, _mm512_castps128_ps512(_mm_loadu_ps(sf[j] + 4 * c)));
+    }
+    for (int i = 0; i < R; ++i) {
+      const int8_t* xa = xq + i * ldx + 128 * c;
+      const __m512i xlo = _mm512_loadu_si512(xa), xhi = _mm512_loadu_si512(xa + 64);
+      const __m512 sxv = _mm512_loadu_ps(sxe + i * ldse + 16 * c);
+      for (int j = 0; j < W; ++j) {
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo), hi[j], xhi);
+        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < W; ++j)
+    for (int i = 0; i < R; ++i) out[j * ldo + i] = hsum16(acc[j][i]);
+}
+
+// All M activation rows against W weight rows with the VNNI kernels, up to 8 rows per call. xs / ldxs:
+// the activation scales and their row stride (int8: per block; int4: expanded to lanes).
 template <bool INT4, int W>
-void vnni_all_rows(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq, int64_t K,
-                   const float* sx, int64_t nbp, int64_t M, float* out) {
+void vnni_all_rows(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq, int64_t ldx,
+                   const float* xs, int64_t ldxs, int64_t M, float* out) {
   int64_t m = 0;
-#define SUDU_VNNI_DOT(R) dot_q8_rows_vnni<INT4, R, W>(q, nb, sf, xq + m * K, K, sx + m * nbp, nbp, out + m, M)
+#define SUDU_VNNI_DOT(R)                                                                                 \
+  (INT4 ? dot_q4_rows_vnni<R, W>(q, nb, sf, xq + m * ldx, ldx, xs + m * ldxs, ldxs, out + m, M)          \
+        : dot_q8_rows_vnni<R, W>(q, nb, sf, xq + m * ldx, ldx, xs + m * ldxs, ldxs, out + m, M))
   for (; m + 8 <= M; m += 8) SUDU_VNNI_DOT(8);
   switch (M - m) {
     case 7: SUDU_VNNI_DOT(7); break;
@@ -282,6 +357,26 @@ void vnni_all_rows(const uint8_t* const* q, int64_t nb, const float* const* sf, 
 #undef SUDU_VNNI_DOT
 }
 
+// The same with the AVX2 kernels, MR rows per call: 4 rows x 2 accumulators + temporaries fit 16 ymm
+// registers (VNNI: 8 rows x 2 weight rows = 16 accumulators of AVX-512's 32 registers).
+constexpr int MR = 4;
+template <bool INT4>
+void avx2_all_rows(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx, const float* xs,
+                   int64_t ldxs, int64_t M, float* out) {
+  int64_t m = 0;
+#define SUDU_DOT(R)                                                                          \
+  (INT4 ? dot_q4_rows<R>(q, nb, sf, xq + m * ldx, ldx, xs + m * ldxs, ldxs, out + m)         \
+        : dot_q8_rows<R>(q, nb, sf, xq + m * ldx, ldx, xs + m * ldxs, ldxs, out + m))
+  for (; m + MR <= M; m += MR) SUDU_DOT(MR);
+  switch (M - m) {
+    case 3: SUDU_DOT(3); break;
+    case 2: SUDU_DOT(2); break;
+    case 1: SUDU_DOT(1); break;
+    default: break;
+  }
+#undef SUDU_DOT
+}
+
 bool cpu_has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
@@ -289,52 +384,42 @@ bool cpu_has_vnni() {
 }
 bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
 
-constexpr int MR = 4;  // rows per AVX2 call: 4 rows x 2 accumulators + temporaries fit 16 ymm registers
-// (VNNI: 8 rows x 2 weight rows = 16 accumulators of AVX-512's 32 registers)
-
 template <bool INT4>
 void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
                      int64_t N, int64_t G, const float* bias, float* y) {
   const int64_t ngroups = K / G;
-  const int64_t nb = K / 32, nbp = (nb + 7) / 8 * 8;
+  const int64_t nb = K / 32, nbp = (nb + 7) / 8 * 8, nquads = (nb + 3) / 4;
   const int64_t row_bytes = INT4 ? K / 2 : K;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> sx(M * nbp, 0.f), xsum(M * nbp, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x + m * K, K, xq.data() + m * K, sx.data() + m * nbp, xsum.data() + m * nbp);
+  // activation codes (int4: in split order, zero-padded to whole quads) and scales (int4: expanded)
+  const int64_t ldx = INT4 ? 128 * nquads : K, ldxs = INT4 ? 16 * nquads : nbp;
+  std::vector<int8_t> xq(M * ldx, 0);
+  std::vector<float> sx(M * nbp, 0.f), xsum(M * nbp, 0.f), sxe(INT4 ? M * ldxs : 0, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row_q8(x + m * K, K, xq.data() + m * ldx, sx.data() + m * nbp, xsum.data() + m * nbp, INT4);
+    for (int64_t b = 0; INT4 && b < nb; ++b)
+      _mm_storeu_ps(sxe.data() + m * ldxs + 4 * b, _mm_set1_ps(sx[m * nbp + b]));  // lanes 4b..4b+3
+  }
+  const float* xs = INT4 ? sxe.data() : sx.data();
   const bool vnni = use_vnni;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> sf(2 * nbp, 0.f), mf(2 * nbp, 0.f), out(2 * M);
-    // Rows are adjacent, so [n0, n1) is one stream; prefetching ahead keeps more DRAM reads in flight than
-    // the hardware prefetcher does here. Prefetching past the end is harmless (no fault).
-    constexpr int64_t PREFETCH_BYTES = 2048;
     for (int64_t n = n0; n < n1;) {
-      const int w = vnni && n + 1 < n1 ? 2 : 1;  // weight rows this round (VNNI: two share activation loads)
+      // weight rows this round: VNNI with 3+ activation rows takes two, sharing the activation loads. With
+      // 1-2 rows one is faster (measured: 20-45% on long rows), though it computes more per weight.
+      const int w = vnni && M >= 3 && n + 1 < n1 ? 2 : 1;
       const uint8_t* rows[2];
       const float* sfs[2] = {sf.data(), sf.data() + nbp};
       for (int j = 0; j < w; ++j) {
         rows[j] = q + (n + j) * row_bytes;
-        for (int64_t off = 0; off < row_bytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + off + PREFETCH_BYTES), _MM_HINT_T0);
         row_scales(s + (n + j) * ngroups, INT4 ? mn + (n + j) * ngroups : nullptr, G, nb, sf.data() + j * nbp,
                    mf.data() + j * nbp);
       }
-      if (vnni && w == 2) {
-        vnni_all_rows<INT4, 2>(rows, nb, sfs, xq.data(), K, sx.data(), nbp, M, out.data());
-      } else if (vnni) {
-        vnni_all_rows<INT4, 1>(rows, nb, sfs, xq.data(), K, sx.data(), nbp, M, out.data());
-      } else {
-        int64_t m = 0;
-#define SUDU_DOT(R) dot_q8_rows<INT4, R>(rows[0], nb, sf.data(), xq.data() + m * K, K, sx.data() + m * nbp, nbp, out.data() + m)
-        for (; m + MR <= M; m += MR) SUDU_DOT(MR);
-        switch (M - m) {
-          case 3: SUDU_DOT(3); break;
-          case 2: SUDU_DOT(2); break;
-          case 1: SUDU_DOT(1); break;
-          default: break;
-        }
-#undef SUDU_DOT
-      }
+      if (vnni && w == 2)
+        vnni_all_rows<INT4, 2>(rows, nb, sfs, xq.data(), ldx, xs, ldxs, M, out.data());
+      else if (vnni)
+        vnni_all_rows<INT4, 1>(rows, nb, sfs, xq.data(), ldx, xs, ldxs, M, out.data());
+      else
+        avx2_all_rows<INT4>(rows[0], nb, sf.data(), xq.data(), ldx, xs, ldxs, M, out.data());
       for (int j = 0; j < w; ++j) {
         const float bn = bias ? bias[n + j] : 0.f;
         for (int64_t m = 0; m < M; ++m)
