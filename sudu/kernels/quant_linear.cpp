@@ -27,6 +27,7 @@
 
 #include "simd.h"
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -119,7 +120,7 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, fl
 }
 
 // One weight row's scales (and int4 mins) as float32, one per 32-column block. The caller zero-pads the
-// buffers to a multiple of 8 blocks, so the min term below needs no tail loop.
+// buffers to a multiple of 8 blocks, so the int4 kernels' min term needs no tail loop.
 inline void row_scales(const uint16_t* s, const uint16_t* mn, int64_t G, int64_t nb, float* sf, float* mf) {
   int64_t b = 0;
   if (G == 32 && nb >= 8) {  // one scale per block: convert 8 at a time (F16C)
@@ -137,13 +138,6 @@ inline void row_scales(const uint16_t* s, const uint16_t* mn, int64_t G, int64_t
     sf[b] = half_to_float(s[g]);
     if (mn) mf[b] = half_to_float(mn[g]);
   }
-}
-
-// int4's min term of one (weight row, activation row): sum_b m_b * xsum_b over the zero-padded blocks.
-inline float min_term(const float* mf, const float* xsum, int64_t nbp) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nbp; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mf + b), _mm256_loadu_ps(xsum + b), acc);
-  return hsum(acc);
 }
 
 // Weights stream from memory once per call; every kernel prefetches this far ahead of its loads (one
@@ -261,21 +255,42 @@ SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* const* q, int64_t nb, const float
 // and in their high nibbles the second halves. The activations are quantized in the matching split order
 // (quantize_row_q8), so lane l of both integer dot products (low nibbles x first halves, high nibbles x
 // second halves; 4 products per lane each) belongs to block l / 4: the two add up in integers, and one
-// float multiply-add covers 4 blocks, where the int8 kernel needs one per 2. The float work per weight
-// is a quarter of what it was with one block pair per step, so one-row decode is bound by memory, not
-// by the vector units. Lane factors: sx and sf per block, expanded to 4 lanes each (sxe: 16 floats per
-// quad and row, zero past the last block; sf: zero-padded). The AVX2 kernel below computes the same
-// lanes as two 8-lane halves: the same integers, the same float operations, bit for bit the same rows.
+// float multiply-add covers 4 blocks, where the int8 kernel needs one per 2. That halves the float work
+// per weight, the binding cost of one-row decode on short rows.
+// Per weight row, the kernels read the float16 block scales s16 directly (converted to lanes in-register,
+// 4 halves per quad) and take the min term sum_b m_b * xsum_b (mf: float mins, zero-padded to nbp
+// blocks) into the final reduction: out = hsum((acc lanes 0-7 + lanes 8-15) + min lanes). Activation
+// scales: sxe, per block expanded to 4 lanes (16 floats per quad and row, zero past the last block).
+// The AVX2 kernel computes the same lanes as two 8-lane halves: the same integers, the same float
+// operations in the same order, bit for bit the same rows.
+struct Q4Acts {  // one call's quantized activations, from row 0 of the rows a kernel call takes
+  const int8_t* xq;    // codes in split order, row stride ldx = 128 x quads
+  const float* sxe;    // lane scales, row stride ldse = 16 x quads
+  const float* xsum;   // per block sx * sum(codes), row stride nbp
+  int64_t ldx, ldse, nbp;
+};
+
+// Where the 4 float16 scales of quad c (blocks 4c..4c+3) are: in the row, or for a short last quad in
+// tail, zero-filled past block nb, so nothing past the row's scales is read.
+inline const uint16_t* quad_scales(const uint16_t* s16, int64_t c, int64_t nb, uint16_t* tail) {
+  if (4 * c + 4 <= nb) return s16 + 4 * c;
+  for (int t = 0; t < 4; ++t) tail[t] = 4 * c + t < nb ? s16[4 * c + t] : 0;
+  return tail;
+}
+
 template <int R>
-inline void dot_q4_rows(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx,
-                        const float* sxe, int64_t ldse, float* out) {
+inline void dot_q4_rows(const uint8_t* q, const uint16_t* s16, const float* mf, int64_t nb, const Q4Acts& a,
+                        float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i half_lanes[2] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)};
+  // halves 0/1 of a quad's lanes: [h0 x 4, h1 x 4] / [h2 x 4, h3 x 4] from the 4 scales (8 bytes)
+  const __m128i spread[2] = {_mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3),
+                             _mm_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7)};
+  uint16_t tail[4];
   __m256 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t c = 0; 4 * c < nb; ++c) {
-    const __m256 sf4 = _mm256_castps128_ps256(_mm_loadu_ps(sf + 4 * c));
+    const __m128i s4 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quad_scales(s16, c, nb, tail)));
     _mm_prefetch(reinterpret_cast<const char*>(q + 64 * c + PREFETCH_BYTES), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       const int64_t blocks = nb - 4 * c - 2 * h;  // this half's blocks: 2 (or more), 1, or none
@@ -284,27 +299,35 @@ inline void dot_q4_rows(const uint8_t* q, int64_t nb, const float* sf, const int
       const __m256i raw = blocks >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
                                       : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
       const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-      const __m256 sfv = _mm256_permutevar8x32_ps(sf4, half_lanes[h]);
+      const __m256 sfv = _mm256_cvtph_ps(_mm_shuffle_epi8(s4, spread[h]));
       for (int i = 0; i < R; ++i) {
-        const int8_t* xa = xq + i * ldx + 128 * c + 32 * h;
+        const int8_t* xa = a.xq + i * a.ldx + 128 * c + 32 * h;
         // q in [0, 15] is the unsigned operand maddubs wants; 2 * 15 * 127 cannot saturate int16
         const __m256i sum = _mm256_add_epi32(
             _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa))), ones),
             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 64))), ones));
-        const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(sxe + i * ldse + 16 * c + 8 * h), sfv);
+        const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(a.sxe + i * a.ldse + 16 * c + 8 * h), sfv);
         acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[i][h]);
       }
     }
   }
-  for (int i = 0; i < R; ++i) out[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+  for (int i = 0; i < R; ++i) {
+    __m256 mins = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.nbp; b += 8)
+      mins = _mm256_fmadd_ps(_mm256_loadu_ps(mf + b), _mm256_loadu_ps(a.xsum + i * a.nbp + b), mins);
+    out[i] = hsum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), mins));
+  }
 }
 
 // W weight rows (1 or 2) at once, as dot_q8_rows_vnni. A short last quad is loaded masked (zeros).
 template <int R, int W>
-SUDU_VNNI void dot_q4_rows_vnni(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq,
-                                int64_t ldx, const float* sxe, int64_t ldse, float* out, int64_t ldo) {
+SUDU_VNNI void dot_q4_rows_vnni(const uint8_t* const* q, const uint16_t* const* s16, const float* const* mf,
+                                int64_t nb, const Q4Acts& a, float* out, int64_t ldo) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  const __m512i quad_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  // [h0 x 4, h1 x 4 | h2 x 4, h3 x 4] (16 halves) from the 4 scales broadcast to both 128-bit lanes
+  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                          4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+  uint16_t tail[4];
   __m512 acc[W][R];
   for (int j = 0; j < W; ++j)
     for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
@@ -318,12 +341,13 @@ SUDU_VNNI void dot_q4_rows_vnni(const uint8_t* const* q, int64_t nb, const float
                                     : _mm512_maskz_loadu_epi8((1ULL << (16 * left)) - 1, q[j] + 64 * c);
       lo[j] = _mm512_and_si512(raw, mask);
       hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-      sfv[j] = _mm512_permutexvar_ps(quad_lanes, _mm512_castps128_ps512(_mm_loadu_ps(sf[j] + 4 * c)));
+      const uint16_t* s4 = quad_scales(s16[j], c, nb, tail);
+      sfv[j] = _mm512_cvtph_ps(_mm256_shuffle_epi8(_mm256_set1_epi64x(*reinterpret_cast<const long long*>(s4)), spread));
     }
     for (int i = 0; i < R; ++i) {
-      const int8_t* xa = xq + i * ldx + 128 * c;
+      const int8_t* xa = a.xq + i * a.ldx + 128 * c;
       const __m512i xlo = _mm512_loadu_si512(xa), xhi = _mm512_loadu_si512(xa + 64);
-      const __m512 sxv = _mm512_loadu_ps(sxe + i * ldse + 16 * c);
+      const __m512 sxv = _mm512_loadu_ps(a.sxe + i * a.ldse + 16 * c);
       for (int j = 0; j < W; ++j) {
         const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo), hi[j], xhi);
         acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
@@ -331,51 +355,37 @@ SUDU_VNNI void dot_q4_rows_vnni(const uint8_t* const* q, int64_t nb, const float
     }
   }
   for (int j = 0; j < W; ++j)
-    for (int i = 0; i < R; ++i) out[j * ldo + i] = hsum16(acc[j][i]);
+    for (int i = 0; i < R; ++i) {
+      __m256 mins = _mm256_setzero_ps();
+      for (int64_t b = 0; b < a.nbp; b += 8)
+        mins = _mm256_fmadd_ps(_mm256_loadu_ps(mf[j] + b), _mm256_loadu_ps(a.xsum + i * a.nbp + b), mins);
+      const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(acc[j][i]), _mm512_extractf32x8_ps(acc[j][i], 1)), mins);
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      out[j * ldo + i] = _mm_cvtss_f32(s);
+    }
 }
 
-// All M activation rows against W weight rows with the VNNI kernels, up to 8 rows per call. xs / ldxs:
-// the activation scales and their row stride (int8: per block; int4: expanded to lanes).
-template <bool INT4, int W>
-void vnni_all_rows(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq, int64_t ldx,
-                   const float* xs, int64_t ldxs, int64_t M, float* out) {
+// f(std::integral_constant<int, R>, m) over all M rows in chunks of at most MAXR (R a compile-time row count).
+template <int MAXR, class F>
+inline void row_chunks(int64_t M, F&& f) {
   int64_t m = 0;
-#define SUDU_VNNI_DOT(R)                                                                                 \
-  (INT4 ? dot_q4_rows_vnni<R, W>(q, nb, sf, xq + m * ldx, ldx, xs + m * ldxs, ldxs, out + m, M)          \
-        : dot_q8_rows_vnni<R, W>(q, nb, sf, xq + m * ldx, ldx, xs + m * ldxs, ldxs, out + m, M))
-  for (; m + 8 <= M; m += 8) SUDU_VNNI_DOT(8);
+  for (; m + MAXR <= M; m += MAXR) f(std::integral_constant<int, MAXR>{}, m);
   switch (M - m) {
-    case 7: SUDU_VNNI_DOT(7); break;
-    case 6: SUDU_VNNI_DOT(6); break;
-    case 5: SUDU_VNNI_DOT(5); break;
-    case 4: SUDU_VNNI_DOT(4); break;
-    case 3: SUDU_VNNI_DOT(3); break;
-    case 2: SUDU_VNNI_DOT(2); break;
-    case 1: SUDU_VNNI_DOT(1); break;
+#define SUDU_ROWS(R) \
+  case R:            \
+    if constexpr (R < MAXR) f(std::integral_constant<int, R>{}, m); \
+    break;
+    SUDU_ROWS(7) SUDU_ROWS(6) SUDU_ROWS(5) SUDU_ROWS(4) SUDU_ROWS(3) SUDU_ROWS(2) SUDU_ROWS(1)
+#undef SUDU_ROWS
     default: break;
   }
-#undef SUDU_VNNI_DOT
 }
 
-// The same with the AVX2 kernels, MR rows per call: 4 rows x 2 accumulators + temporaries fit 16 ymm
-// registers (VNNI: 8 rows x 2 weight rows = 16 accumulators of AVX-512's 32 registers).
-constexpr int MR = 4;
-template <bool INT4>
-void avx2_all_rows(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx, const float* xs,
-                   int64_t ldxs, int64_t M, float* out) {
-  int64_t m = 0;
-#define SUDU_DOT(R)                                                                          \
-  (INT4 ? dot_q4_rows<R>(q, nb, sf, xq + m * ldx, ldx, xs + m * ldxs, ldxs, out + m)         \
-        : dot_q8_rows<R>(q, nb, sf, xq + m * ldx, ldx, xs + m * ldxs, ldxs, out + m))
-  for (; m + MR <= M; m += MR) SUDU_DOT(MR);
-  switch (M - m) {
-    case 3: SUDU_DOT(3); break;
-    case 2: SUDU_DOT(2); break;
-    case 1: SUDU_DOT(1); break;
-    default: break;
-  }
-#undef SUDU_DOT
-}
+// AVX2 kernels take MR rows per call: 4 rows x 2 accumulators + temporaries fit 16 ymm registers (VNNI:
+// 8 rows x 2 weight rows = 16 accumulators of AVX-512's 32 registers).
+constexpr int MR = 4, MR_VNNI = 8;
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -399,31 +409,67 @@ void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, con
     for (int64_t b = 0; INT4 && b < nb; ++b)
       _mm_storeu_ps(sxe.data() + m * ldxs + 4 * b, _mm_set1_ps(sx[m * nbp + b]));  // lanes 4b..4b+3
   }
-  const float* xs = INT4 ? sxe.data() : sx.data();
   const bool vnni = use_vnni;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sf(2 * nbp, 0.f), mf(2 * nbp, 0.f), out(2 * M);
+    // per weight row j of a round: float scales (int8) or mins (int4), zero-padded; int4 scales per block
+    // as float16 (the groups' own unless G > 32)
+    std::vector<float> sf(2 * nbp, 0.f), out(2 * M);
+    std::vector<uint16_t> s16(INT4 && G != 32 ? 2 * nb : 0);
     for (int64_t n = n0; n < n1;) {
       // weight rows this round: VNNI with 3+ activation rows takes two, sharing the activation loads. With
-      // 1-2 rows one is faster (measured: 20-45% on long rows), though it computes more per weight.
-      const int w = vnni && M >= 3 && n + 1 < n1 ? 2 : 1;
+      // 1-2 rows one is faster (measured: 20-45% on rows of 768+ bytes), though it computes more per
+      // weight; 2 rows on short rows (the 0.5B's 448-byte int4 rows) still gain from sharing.
+      const int w = vnni && (M >= 3 || (M == 2 && row_bytes <= 512)) && n + 1 < n1 ? 2 : 1;
       const uint8_t* rows[2];
       const float* sfs[2] = {sf.data(), sf.data() + nbp};
+      const uint16_t* s16s[2];
       for (int j = 0; j < w; ++j) {
         rows[j] = q + (n + j) * row_bytes;
-        row_scales(s + (n + j) * ngroups, INT4 ? mn + (n + j) * ngroups : nullptr, G, nb, sf.data() + j * nbp,
-                   mf.data() + j * nbp);
+        if (!INT4) {
+          row_scales(s + (n + j) * ngroups, nullptr, G, nb, sf.data() + j * nbp, nullptr);
+          continue;
+        }
+        row_scales(mn + (n + j) * ngroups, nullptr, G, nb, sf.data() + j * nbp, nullptr);  // the mins
+        s16s[j] = s + (n + j) * ngroups;
+        if (G != 32) {
+          for (int64_t b = 0; b < nb; ++b) s16[j * nb + b] = s16s[j][b * 32 / G];
+          s16s[j] = s16.data() + j * nb;
+        }
       }
-      if (vnni && w == 2)
-        vnni_all_rows<INT4, 2>(rows, nb, sfs, xq.data(), ldx, xs, ldxs, M, out.data());
-      else if (vnni)
-        vnni_all_rows<INT4, 1>(rows, nb, sfs, xq.data(), ldx, xs, ldxs, M, out.data());
-      else
-        avx2_all_rows<INT4>(rows[0], nb, sf.data(), xq.data(), ldx, xs, ldxs, M, out.data());
+      if (INT4) {
+        const Q4Acts acts{xq.data(), sxe.data(), xsum.data(), ldx, ldxs, nbp};
+        auto call = [&](auto r, int64_t m, auto wc) {
+          const Q4Acts at{acts.xq + m * ldx, acts.sxe + m * ldxs, acts.xsum + m * nbp, ldx, ldxs, nbp};
+          if constexpr (decltype(wc)::value == 0)
+            dot_q4_rows<decltype(r)::value>(rows[0], s16s[0], sfs[0], nb, at, out.data() + m);
+          else
+            dot_q4_rows_vnni<decltype(r)::value, decltype(wc)::value>(rows, s16s, sfs, nb, at, out.data() + m, M);
+        };
+        if (vnni && w == 2)
+          row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 2>{}); });
+        else if (vnni)
+          row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 1>{}); });
+        else
+          row_chunks<MR>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 0>{}); });
+      } else {
+        auto call = [&](auto r, int64_t m, auto wc) {
+          if constexpr (decltype(wc)::value == 0)
+            dot_q8_rows<decltype(r)::value>(rows[0], nb, sfs[0], xq.data() + m * ldx, ldx, sx.data() + m * nbp, nbp,
+                                            out.data() + m);
+          else
+            dot_q8_rows_vnni<decltype(r)::value, decltype(wc)::value>(rows, nb, sfs, xq.data() + m * ldx, ldx,
+                                                                     sx.data() + m * nbp, nbp, out.data() + m, M);
+        };
+        if (vnni && w == 2)
+          row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 2>{}); });
+        else if (vnni)
+          row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 1>{}); });
+        else
+          row_chunks<MR>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 0>{}); });
+      }
       for (int j = 0; j < w; ++j) {
         const float bn = bias ? bias[n + j] : 0.f;
-        for (int64_t m = 0; m < M; ++m)
-          y[m * N + n + j] = out[j * M + m] + (INT4 ? min_term(mf.data() + j * nbp, xsum.data() + m * nbp, nbp) : 0.f) + bn;
+        for (int64_t m = 0; m < M; ++m) y[m * N + n + j] = out[j * M + m] + bn;
       }
       n += w;
     }
