@@ -266,8 +266,19 @@ SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* const* q, int64_t nb, const float
 struct Q4Acts {  // one call's quantized activations, from row 0 of the rows a kernel call takes
   const int8_t* xq;    // codes in split order, row stride ldx = 128 x quads
   const float* sxe;    // lane scales, row stride ldse = 16 x quads
-  const float* xsum;   // per block sx * sum(codes), row stride nbp
+  const float* xsum;   // per block sx * sum(codes), zero-padded, row stride nbp
   int64_t ldx, ldse, nbp;
+};
+
+// `count` consecutive weight rows (VNNI with W = 2: row pairs) of one call, the rows' work in one loop
+// so per-row costs stay small (the 0.5B's rows are 7 quads long). Row r: codes q + r * row_bytes, float16
+// scales and mins s16 / m16 + r * ld16, one per block. Results: y[i * ldy + r] = dot + bias[r], for the
+// R activation rows i.
+struct Q4Rows {
+  const uint8_t* q;
+  const uint16_t* s16;
+  const uint16_t* m16;
+  int64_t row_bytes, ld16, nb;
 };
 
 // Where the 4 float16 scales of quad c (blocks 4c..4c+3) are: in the row, or for a short last quad in
@@ -278,93 +289,126 @@ inline const uint16_t* quad_scales(const uint16_t* s16, int64_t c, int64_t nb, u
   return tail;
 }
 
+// The same for the 8 float16 mins of blocks b..b+7.
+inline const uint16_t* eight_mins(const uint16_t* m16, int64_t b, int64_t nb, uint16_t* tail) {
+  if (b + 8 <= nb) return m16 + b;
+  for (int t = 0; t < 8; ++t) tail[t] = b + t < nb ? m16[b + t] : 0;
+  return tail;
+}
+
 template <int R>
-inline void dot_q4_rows(const uint8_t* q, const uint16_t* s16, const float* mf, int64_t nb, const Q4Acts& a,
-                        float* out) {
+inline void dot_q4_rows(const Q4Rows& w, int64_t count, const Q4Acts& a, const float* bias, float* y, int64_t ldy) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i mask = _mm256_set1_epi8(0x0F);
   // halves 0/1 of a quad's lanes: [h0 x 4, h1 x 4] / [h2 x 4, h3 x 4] from the 4 scales (8 bytes)
   const __m128i spread[2] = {_mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3),
                              _mm_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7)};
-  uint16_t tail[4];
-  __m256 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; 4 * c < nb; ++c) {
-    const __m128i s4 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quad_scales(s16, c, nb, tail)));
-    _mm_prefetch(reinterpret_cast<const char*>(q + 64 * c + PREFETCH_BYTES), _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      const int64_t blocks = nb - 4 * c - 2 * h;  // this half's blocks: 2 (or more), 1, or none
-      if (blocks <= 0) break;  // the VNNI kernel adds 0 * 0 there: acc unchanged
-      const uint8_t* at = q + 64 * c + 32 * h;
-      const __m256i raw = blocks >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
-                                      : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-      const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-      const __m256 sfv = _mm256_cvtph_ps(_mm_shuffle_epi8(s4, spread[h]));
-      for (int i = 0; i < R; ++i) {
-        const int8_t* xa = a.xq + i * a.ldx + 128 * c + 32 * h;
-        // q in [0, 15] is the unsigned operand maddubs wants; 2 * 15 * 127 cannot saturate int16
-        const __m256i sum = _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa))), ones),
-            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 64))), ones));
-        const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(a.sxe + i * a.ldse + 16 * c + 8 * h), sfv);
-        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[i][h]);
+  const int64_t nb = w.nb;
+  uint16_t tail[8];
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* q = w.q + r * w.row_bytes;
+    const uint16_t* s16 = w.s16 + r * w.ld16;
+    __m256 acc[R][2];
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; 4 * c < nb; ++c) {
+      const __m128i s4 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quad_scales(s16, c, nb, tail)));
+      _mm_prefetch(reinterpret_cast<const char*>(q + 64 * c + PREFETCH_BYTES), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t blocks = nb - 4 * c - 2 * h;  // this half's blocks: 2 (or more), 1, or none
+        if (blocks <= 0) break;  // the VNNI kernel adds 0 * 0 there: acc unchanged
+        const uint8_t* at = q + 64 * c + 32 * h;
+        const __m256i raw = blocks >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        const __m256 sfv = _mm256_cvtph_ps(_mm_shuffle_epi8(s4, spread[h]));
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xa = a.xq + i * a.ldx + 128 * c + 32 * h;
+          // q in [0, 15] is the unsigned operand maddubs wants; 2 * 15 * 127 cannot saturate int16
+          const __m256i sum = _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa))), ones),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 64))), ones));
+          const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(a.sxe + i * a.ldse + 16 * c + 8 * h), sfv);
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[i][h]);
+        }
       }
     }
-  }
-  for (int i = 0; i < R; ++i) {
-    __m256 mins = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a.nbp; b += 8)
-      mins = _mm256_fmadd_ps(_mm256_loadu_ps(mf + b), _mm256_loadu_ps(a.xsum + i * a.nbp + b), mins);
-    out[i] = hsum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), mins));
+    __m256 mins[R];
+    for (int i = 0; i < R; ++i) mins[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.nbp; b += 8) {
+      const __m256 m8 = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(eight_mins(w.m16 + r * w.ld16, b, nb, tail))));
+      for (int i = 0; i < R; ++i) mins[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a.xsum + i * a.nbp + b), mins[i]);
+    }
+    const float bn = bias ? bias[r] : 0.f;
+    for (int i = 0; i < R; ++i) y[i * ldy + r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), mins[i])) + bn;
   }
 }
 
-// W weight rows (1 or 2) at once, as dot_q8_rows_vnni. A short last quad is loaded masked (zeros).
+// W weight rows (1 or 2) at once, as dot_q8_rows_vnni; `count` such rounds (rows r*W .. r*W + W - 1). A
+// short last quad is loaded masked (zeros).
 template <int R, int W>
-SUDU_VNNI void dot_q4_rows_vnni(const uint8_t* const* q, const uint16_t* const* s16, const float* const* mf,
-                                int64_t nb, const Q4Acts& a, float* out, int64_t ldo) {
+SUDU_VNNI void dot_q4_rows_vnni(const Q4Rows& w, int64_t count, const Q4Acts& a, const float* bias, float* y,
+                                int64_t ldy) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   // [h0 x 4, h1 x 4 | h2 x 4, h3 x 4] (16 halves) from the 4 scales broadcast to both 128-bit lanes
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
                                           4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
-  uint16_t tail[4];
-  __m512 acc[W][R];
-  for (int j = 0; j < W; ++j)
-    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
-  for (int64_t c = 0; 4 * c < nb; ++c) {
-    const int64_t left = nb - 4 * c;
-    __m512i lo[W], hi[W];
-    __m512 sfv[W];
+  const int64_t nb = w.nb;
+  uint16_t tail[8];
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* q[W];
+    const uint16_t* s16[W];
     for (int j = 0; j < W; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(q[j] + 64 * c + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512i raw = left >= 4 ? _mm512_loadu_si512(q[j] + 64 * c)
-                                    : _mm512_maskz_loadu_epi8((1ULL << (16 * left)) - 1, q[j] + 64 * c);
-      lo[j] = _mm512_and_si512(raw, mask);
-      hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-      const uint16_t* s4 = quad_scales(s16[j], c, nb, tail);
-      sfv[j] = _mm512_cvtph_ps(_mm256_shuffle_epi8(_mm256_set1_epi64x(*reinterpret_cast<const long long*>(s4)), spread));
+      q[j] = w.q + (r * W + j) * w.row_bytes;
+      s16[j] = w.s16 + (r * W + j) * w.ld16;
     }
-    for (int i = 0; i < R; ++i) {
-      const int8_t* xa = a.xq + i * a.ldx + 128 * c;
-      const __m512i xlo = _mm512_loadu_si512(xa), xhi = _mm512_loadu_si512(xa + 64);
-      const __m512 sxv = _mm512_loadu_ps(a.sxe + i * a.ldse + 16 * c);
+    __m512 acc[W][R];
+    for (int j = 0; j < W; ++j)
+      for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t c = 0; 4 * c < nb; ++c) {
+      const int64_t left = nb - 4 * c;
+      __m512i lo[W], hi[W];
+      __m512 sfv[W];
       for (int j = 0; j < W; ++j) {
-        const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo), hi[j], xhi);
-        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
+        _mm_prefetch(reinterpret_cast<const char*>(q[j] + 64 * c + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m512i raw = left >= 4 ? _mm512_loadu_si512(q[j] + 64 * c)
+                                      : _mm512_maskz_loadu_epi8((1ULL << (16 * left)) - 1, q[j] + 64 * c);
+        lo[j] = _mm512_and_si512(raw, mask);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        const uint16_t* s4 = quad_scales(s16[j], c, nb, tail);
+        sfv[j] = _mm512_cvtph_ps(_mm256_shuffle_epi8(_mm256_set1_epi64x(*reinterpret_cast<const long long*>(s4)), spread));
+      }
+      for (int i = 0; i < R; ++i) {
+        const int8_t* xa = a.xq + i * a.ldx + 128 * c;
+        const __m512i xlo = _mm512_loadu_si512(xa), xhi = _mm512_loadu_si512(xa + 64);
+        const __m512 sxv = _mm512_loadu_ps(a.sxe + i * a.ldse + 16 * c);
+        for (int j = 0; j < W; ++j) {
+          const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo), hi[j], xhi);
+          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
+        }
+      }
+    }
+    for (int j = 0; j < W; ++j) {
+      const int64_t row = r * W + j;
+      __m256 mins[R];
+      for (int i = 0; i < R; ++i) mins[i] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < a.nbp; b += 8) {
+        const __m128i h8 = b + 8 <= nb ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m16 + row * w.ld16 + b))
+                                       : _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << (nb - b)) - 1), w.m16 + row * w.ld16 + b);
+        const __m256 m8 = _mm256_cvtph_ps(h8);
+        for (int i = 0; i < R; ++i) mins[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a.xsum + i * a.nbp + b), mins[i]);
+      }
+      const float bn = bias ? bias[row] : 0.f;
+      for (int i = 0; i < R; ++i) {
+        const __m256 v = _mm256_add_ps(
+            _mm256_add_ps(_mm512_castps512_ps256(acc[j][i]), _mm512_extractf32x8_ps(acc[j][i], 1)), mins[i]);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        y[i * ldy + row] = _mm_cvtss_f32(s) + bn;
       }
     }
   }
-  for (int j = 0; j < W; ++j)
-    for (int i = 0; i < R; ++i) {
-      __m256 mins = _mm256_setzero_ps();
-      for (int64_t b = 0; b < a.nbp; b += 8)
-        mins = _mm256_fmadd_ps(_mm256_loadu_ps(mf[j] + b), _mm256_loadu_ps(a.xsum + i * a.nbp + b), mins);
-      const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(acc[j][i]), _mm512_extractf32x8_ps(acc[j][i], 1)), mins);
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      s = _mm_add_ss(s, _mm_movehdup_ps(s));
-      out[j * ldo + i] = _mm_cvtss_f32(s);
-    }
 }
 
 // f(std::integral_constant<int, R>, m) over all M rows in chunks of at most MAXR (R a compile-time row count).
@@ -394,13 +438,106 @@ bool cpu_has_vnni() {
 }
 bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
 
+// Weight rows per round: VNNI with 3+ activation rows takes two, sharing the activation loads. With 1-2
+// rows one is faster (measured: 20-45% on rows of 768+ bytes), though it computes more per weight; 2 rows
+// on short rows (the 0.5B's 448-byte int4 rows) still gain from sharing.
+inline int weight_rows_per_round(bool vnni, int64_t M, int64_t row_bytes) {
+  return vnni && (M >= 3 || (M == 2 && row_bytes <= 512)) ? 2 : 1;
+}
+
+// int8 weights: each round of weight rows against all M activation rows (row_chunks of the kernels).
+void qlinear_int8(const int8_t* xq, const float* sx, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s,
+                  int64_t N, int64_t G, const float* bias, float* y) {
+  const int64_t ngroups = K / G, nb = K / 32, nbp = (nb + 7) / 8 * 8;
+  const bool vnni = use_vnni;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sf(2 * nbp, 0.f), out(2 * M);  // per weight row of a round: float scales, zero-padded
+    for (int64_t n = n0; n < n1;) {
+      const int w = n + 1 < n1 ? weight_rows_per_round(vnni, M, K) : 1;
+      const uint8_t* rows[2];
+      const float* sfs[2] = {sf.data(), sf.data() + nbp};
+      for (int j = 0; j < w; ++j) {
+        rows[j] = q + (n + j) * K;
+        row_scales(s + (n + j) * ngroups, nullptr, G, nb, sf.data() + j * nbp, nullptr);
+      }
+      auto call = [&](auto r, int64_t m, auto wc) {
+        if constexpr (decltype(wc)::value == 0)
+          dot_q8_rows<decltype(r)::value>(rows[0], nb, sfs[0], xq + m * K, K, sx + m * nbp, nbp, out.data() + m);
+        else
+          dot_q8_rows_vnni<decltype(r)::value, decltype(wc)::value>(rows, nb, sfs, xq + m * K, K, sx + m * nbp, nbp,
+                                                                   out.data() + m, M);
+      };
+      if (vnni && w == 2)
+        row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 2>{}); });
+      else if (vnni)
+        row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 1>{}); });
+      else
+        row_chunks<MR>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 0>{}); });
+      for (int j = 0; j < w; ++j) {
+        const float bn = bias ? bias[n + j] : 0.f;
+        for (int64_t m = 0; m < M; ++m) y[m * N + n + j] = out[j * M + m] + bn;
+      }
+      n += w;
+    }
+  });
+}
+
+// int4 weights. Up to one kernel row chunk of activations (MR_VNNI rows, or MR on AVX2), a thread's whole
+// range of weight rows goes through one kernel call (the row loop inside: per-row costs matter on short
+// rows); with more activation rows, each round of weight rows meets all row chunks while it sits in L1.
+void qlinear_int4(const Q4Acts& acts, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s,
+                  const uint16_t* mn, int64_t N, int64_t G, const float* bias, float* y) {
+  const int64_t ngroups = K / G, nb = K / 32, row_bytes = K / 2;
+  const bool vnni = use_vnni;
+  // count rounds of W weight rows from row n, against all M activation rows
+  auto run = [&](const Q4Rows& rows, int64_t count, int W, int64_t n) {
+    auto chunk = [&](auto r, int64_t m) {
+      constexpr int R = decltype(r)::value;
+      const Q4Acts at{acts.xq + m * acts.ldx, acts.sxe + m * acts.ldse, acts.xsum + m * acts.nbp, acts.ldx,
+                      acts.ldse, acts.nbp};
+      const float* b = bias ? bias + n : nullptr;
+      if (!vnni)
+        dot_q4_rows<R>(rows, count, at, b, y + m * N + n, N);
+      else if (W == 2)
+        dot_q4_rows_vnni<R, 2>(rows, count, at, b, y + m * N + n, N);
+      else
+        dot_q4_rows_vnni<R, 1>(rows, count, at, b, y + m * N + n, N);
+    };
+    if (vnni)
+      row_chunks<MR_VNNI>(M, chunk);
+    else
+      row_chunks<MR>(M, chunk);
+  };
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    if (G != 32) {  // scales and mins expanded to one per block, a row at a time
+      std::vector<uint16_t> s16(nb), m16(nb);
+      for (int64_t n = n0; n < n1; ++n) {
+        for (int64_t b = 0; b < nb; ++b) {
+          s16[b] = s[n * ngroups + b * 32 / G];
+          m16[b] = mn[n * ngroups + b * 32 / G];
+        }
+        run(Q4Rows{q + n * row_bytes, s16.data(), m16.data(), row_bytes, 0, nb}, 1, 1, n);
+      }
+      return;
+    }
+    auto rows_from = [&](int64_t n) { return Q4Rows{q + n * row_bytes, s + n * ngroups, mn + n * ngroups, row_bytes, ngroups, nb}; };
+    const int W = weight_rows_per_round(vnni, M, row_bytes);
+    const int64_t rounds = (n1 - n0) / W;
+    if (M <= (vnni ? MR_VNNI : MR)) {
+      run(rows_from(n0), rounds, W, n0);
+    } else {
+      for (int64_t r = 0; r < rounds; ++r) run(rows_from(n0 + r * W), 1, W, n0 + r * W);
+    }
+    if (rounds * W < n1 - n0) run(rows_from(n0 + rounds * W), 1, 1, n0 + rounds * W);  // an odd last row
+  });
+}
+
+// Activations quantized once per call (int4: in split order, zero-padded to whole quads, scales expanded
+// to lanes), then the format's row loop.
 template <bool INT4>
 void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
                      int64_t N, int64_t G, const float* bias, float* y) {
-  const int64_t ngroups = K / G;
   const int64_t nb = K / 32, nbp = (nb + 7) / 8 * 8, nquads = (nb + 3) / 4;
-  const int64_t row_bytes = INT4 ? K / 2 : K;
-  // activation codes (int4: in split order, zero-padded to whole quads) and scales (int4: expanded)
   const int64_t ldx = INT4 ? 128 * nquads : K, ldxs = INT4 ? 16 * nquads : nbp;
   std::vector<int8_t> xq(M * ldx, 0);
   std::vector<float> sx(M * nbp, 0.f), xsum(M * nbp, 0.f), sxe(INT4 ? M * ldxs : 0, 0.f);
@@ -409,71 +546,10 @@ void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, con
     for (int64_t b = 0; INT4 && b < nb; ++b)
       _mm_storeu_ps(sxe.data() + m * ldxs + 4 * b, _mm_set1_ps(sx[m * nbp + b]));  // lanes 4b..4b+3
   }
-  const bool vnni = use_vnni;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    // per weight row j of a round: float scales (int8) or mins (int4), zero-padded; int4 scales per block
-    // as float16 (the groups' own unless G > 32)
-    std::vector<float> sf(2 * nbp, 0.f), out(2 * M);
-    std::vector<uint16_t> s16(INT4 && G != 32 ? 2 * nb : 0);
-    for (int64_t n = n0; n < n1;) {
-      // weight rows this round: VNNI with 3+ activation rows takes two, sharing the activation loads. With
-      // 1-2 rows one is faster (measured: 20-45% on rows of 768+ bytes), though it computes more per
-      // weight; 2 rows on short rows (the 0.5B's 448-byte int4 rows) still gain from sharing.
-      const int w = vnni && (M >= 3 || (M == 2 && row_bytes <= 512)) && n + 1 < n1 ? 2 : 1;
-      const uint8_t* rows[2];
-      const float* sfs[2] = {sf.data(), sf.data() + nbp};
-      const uint16_t* s16s[2];
-      for (int j = 0; j < w; ++j) {
-        rows[j] = q + (n + j) * row_bytes;
-        if (!INT4) {
-          row_scales(s + (n + j) * ngroups, nullptr, G, nb, sf.data() + j * nbp, nullptr);
-          continue;
-        }
-        row_scales(mn + (n + j) * ngroups, nullptr, G, nb, sf.data() + j * nbp, nullptr);  // the mins
-        s16s[j] = s + (n + j) * ngroups;
-        if (G != 32) {
-          for (int64_t b = 0; b < nb; ++b) s16[j * nb + b] = s16s[j][b * 32 / G];
-          s16s[j] = s16.data() + j * nb;
-        }
-      }
-      if (INT4) {
-        const Q4Acts acts{xq.data(), sxe.data(), xsum.data(), ldx, ldxs, nbp};
-        auto call = [&](auto r, int64_t m, auto wc) {
-          const Q4Acts at{acts.xq + m * ldx, acts.sxe + m * ldxs, acts.xsum + m * nbp, ldx, ldxs, nbp};
-          if constexpr (decltype(wc)::value == 0)
-            dot_q4_rows<decltype(r)::value>(rows[0], s16s[0], sfs[0], nb, at, out.data() + m);
-          else
-            dot_q4_rows_vnni<decltype(r)::value, decltype(wc)::value>(rows, s16s, sfs, nb, at, out.data() + m, M);
-        };
-        if (vnni && w == 2)
-          row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 2>{}); });
-        else if (vnni)
-          row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 1>{}); });
-        else
-          row_chunks<MR>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 0>{}); });
-      } else {
-        auto call = [&](auto r, int64_t m, auto wc) {
-          if constexpr (decltype(wc)::value == 0)
-            dot_q8_rows<decltype(r)::value>(rows[0], nb, sfs[0], xq.data() + m * ldx, ldx, sx.data() + m * nbp, nbp,
-                                            out.data() + m);
-          else
-            dot_q8_rows_vnni<decltype(r)::value, decltype(wc)::value>(rows, nb, sfs, xq.data() + m * ldx, ldx,
-                                                                     sx.data() + m * nbp, nbp, out.data() + m, M);
-        };
-        if (vnni && w == 2)
-          row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 2>{}); });
-        else if (vnni)
-          row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 1>{}); });
-        else
-          row_chunks<MR>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 0>{}); });
-      }
-      for (int j = 0; j < w; ++j) {
-        const float bn = bias ? bias[n + j] : 0.f;
-        for (int64_t m = 0; m < M; ++m) y[m * N + n + j] = out[j * M + m] + bn;
-      }
-      n += w;
-    }
-  });
+  if (INT4)
+    qlinear_int4(Q4Acts{xq.data(), sxe.data(), xsum.data(), ldx, ldxs, nbp}, M, K, q, s, mn, N, G, bias, y);
+  else
+    qlinear_int8(xq.data(), sx.data(), M, K, q, s, N, G, bias, y);
 }
 
 // float32 -> bfloat16, round to nearest even (as PyTorch's .to(torch.bfloat16)); n a multiple of 8.
