@@ -73,6 +73,18 @@ def test_output_matches_float_reference_of_dequantized_weights(fmt, rows, k):
     torch.testing.assert_close(layer(x), reference(layer, x), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.parametrize("group_size", [64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+def test_groups_wider_than_a_block_match_the_reference(fmt, group_size, rows):
+    """Scales shared by 2 or 4 blocks (the kernels then expand them to one per block, a row at a time)."""
+    g = torch.Generator().manual_seed(group_size)
+    w = torch.randn(50, 384, generator=g) * 0.05
+    layer = L.QuantizedLinear.from_float(fmt, w, torch.randn(50, generator=g), group_size=group_size)
+    x = torch.randn(rows, 384, generator=g)
+    torch.testing.assert_close(layer(x), reference(layer, x), atol=ATOL, rtol=0)
+
+
 @pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
 @pytest.mark.parametrize("fmt", L.FORMATS)
 @pytest.mark.parametrize("k", [96, 128, 160, 192, 352])  # 3-11 blocks: every tail path of the kernels

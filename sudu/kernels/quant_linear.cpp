@@ -119,66 +119,66 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, fl
   }
 }
 
-// One weight row's scales (and int4 mins) as float32, one per 32-column block. The caller zero-pads the
-// buffers to a multiple of 8 blocks, so the int4 kernels' min term needs no tail loop.
-inline void row_scales(const uint16_t* s, const uint16_t* mn, int64_t G, int64_t nb, float* sf, float* mf) {
-  int64_t b = 0;
-  if (G == 32 && nb >= 8) {  // one scale per block: convert 8 at a time (F16C)
-    auto eight = [&](int64_t at) {
-      _mm256_storeu_ps(sf + at, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
-      if (mn) _mm256_storeu_ps(mf + at, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + at))));
-    };
-    for (; b + 8 <= nb; b += 8) eight(b);
-    if (b < nb) eight(nb - 8);  // the tail: the last 8, overlapping (same values rewritten), no scalar loop
-    return;
-  }
-  GroupCursor cur(32 * b, G);
-  for (; b < nb; ++b) {
-    const int64_t g = cur.at(32 * b);
-    sf[b] = half_to_float(s[g]);
-    if (mn) mf[b] = half_to_float(mn[g]);
-  }
-}
-
 // Weights stream from memory once per call; every kernel prefetches this far ahead of its loads (one
 // prefetch per 64-byte line, measured best among 2-32 KiB: the hardware prefetcher alone leaves the
 // kernel 20-40% short of the bandwidth). Prefetching past the end is harmless (no fault).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
+// One call's quantized activations (from the first row a kernel call takes) and weight rows.
+struct Acts {
+  const int8_t* xq;    // codes, row stride ldx (int8 weights: K, natural order; int4: 128 x quads, split)
+  const float* xs;     // scales, row stride ldxs (int8: per block; int4: per lane, 16 per quad)
+  const float* xsum;   // int4: per block sx * sum(codes), zero-padded, row stride nbp
+  int64_t ldx, ldxs, nbp;
+};
+// `count` consecutive rounds of W weight rows: row r has codes q + r * row_bytes and float16 block
+// scales (int4: and mins) s16 / m16 + r * ld16, one per 32-block. Each kernel loops over the rows itself:
+// per-row costs matter on short rows (the 0.5B's are 7 quads). Results: y[i * ldy + r] = dot + bias[r]
+// for the kernel's R activation rows i.
+struct WeightRows {
+  const uint8_t* q;
+  const uint16_t* s16;
+  const uint16_t* m16;
+  int64_t row_bytes, ld16, nb;
+};
+
 // ---- int8 weights: two 32-blocks per 512-bit step ----
-// R activation rows (int8 codes xq with row stride ldx, block scales sx with row stride ldsx) against one
-// int8 weight row (block scales sf). Per block: sum(q * xq) in integers (maddubs + madd: 8 int32 lanes,
-// each the sum of 4 adjacent products), converted to float and multiplied-added with the block factor
-// sx * sf, even blocks into one accumulator and odd ones into another; out[i] = hsum(acc0 + acc1).
-// Each row's arithmetic is the same whatever R is, so a row's result does not depend on how many rows
-// share the call (bit for bit).
+// R activation rows against one int8 weight row at a time. Per block: sum(q * xq) in integers (maddubs +
+// madd: 8 int32 lanes, each the sum of 4 adjacent products), converted to float and multiplied-added with
+// the block factor sx * sf, even blocks into one accumulator and odd ones into another;
+// y = hsum(acc0 + acc1) + bias. Each row's arithmetic is the same whatever R is, so a row's result does
+// not depend on how many rows share the call (bit for bit).
 template <int R>
-inline void dot_q8_rows(const uint8_t* q, int64_t nb, const float* sf, const int8_t* xq, int64_t ldx,
-                        const float* sx, int64_t ldsx, float* out) {
+inline void dot_q8_rows(const WeightRows& w, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  auto block = [&](int64_t b, int parity) {
-    if (parity == 0) _mm_prefetch(reinterpret_cast<const char*>(q + 32 * b + PREFETCH_BYTES), _MM_HINT_T0);
-    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
-    const __m256i qa = _mm256_sign_epi8(qv, qv);
-    const __m256 sfv = _mm256_broadcast_ss(sf + b);
-    for (int i = 0; i < R; ++i) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + 32 * b));
-      // move q's sign onto x: |q|, |x| <= 127 cannot saturate int16
-      const __m256i prod = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, qv));
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-      const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(sx + i * ldsx + b), sfv);
-      acc[i][parity] = _mm256_fmadd_ps(f, d, acc[i][parity]);
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* q = w.q + r * w.row_bytes;
+    const uint16_t* s16 = w.s16 + r * w.ld16;
+    __m256 acc[R][2];
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    auto block = [&](int64_t b, int parity) {
+      if (parity == 0) _mm_prefetch(reinterpret_cast<const char*>(q + 32 * b + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+      const __m256i qa = _mm256_sign_epi8(qv, qv);
+      const __m256 sfv = _mm256_set1_ps(half_to_float(s16[b]));
+      for (int i = 0; i < R; ++i) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + i * a.ldx + 32 * b));
+        // move q's sign onto x: |q|, |x| <= 127 cannot saturate int16
+        const __m256i prod = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, qv));
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+        const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(a.xs + i * a.ldxs + b), sfv);
+        acc[i][parity] = _mm256_fmadd_ps(f, d, acc[i][parity]);
+      }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= w.nb; b += 2) {
+      block(b, 0);
+      block(b + 1, 1);
     }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, 0);
-    block(b + 1, 1);
+    if (b < w.nb) block(b, 0);
+    const float bn = bias ? bias[r] : 0.f;
+    for (int i = 0; i < R; ++i) y[i * ldy + r] = hsum(_mm256_add_ps(acc[i][0], acc[i][1])) + bn;
   }
-  if (b < nb) block(b, 0);
-  for (int i = 0; i < R; ++i) out[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 
 // The same dot products with AVX-512 VNNI, two blocks per 512-bit register: the low half holds the even
@@ -189,65 +189,80 @@ inline void dot_q8_rows(const uint8_t* q, int64_t nb, const float* sf, const int
 // int32). Compiled for VNNI by attribute only: the caller dispatches on the running CPU.
 #define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-// The 16 lanes' sum, in the order hsum(low 8 + high 8) (hsum itself is compiled for plain AVX2).
-SUDU_VNNI inline float hsum16(__m512 acc) {
-  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+// The 16 lanes' sum plus 8 more lanes, in the order hsum((low 8 + high 8) + extra), + bias (hsum itself
+// is compiled for plain AVX2).
+SUDU_VNNI inline float hsum16(__m512 acc, __m256 extra, float bias) {
+  const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)), extra);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return _mm_cvtss_f32(s) + bias;
 }
 
-// W weight rows (1 or 2) at once: each activation block and its scale pair are loaded once for both.
-// out[j * ldo + i]: weight row j, activation row i.
+// W weight rows (1 or 2) at once: each activation block and its scale pair are loaded once for both;
+// `count` such rounds (rows r * W .. r * W + W - 1).
 template <int R, int W>
-SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* const* q, int64_t nb, const float* const* sf, const int8_t* xq,
-                                int64_t ldx, const float* sx, int64_t ldsx, float* out, int64_t ldo) {
+SUDU_VNNI void dot_q8_rows_vnni(const WeightRows& w, int64_t count, const Acts& a, const float* bias, float* y,
+                                int64_t ldy) {
   const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i flip = _mm512_set1_epi8(char(0x80));
-  __m512 acc[W][R];
-  for (int j = 0; j < W; ++j)
-    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
-  // [v[0] x 8, v[1] x 8] from two adjacent floats
+  const int64_t nb = w.nb;
+  // [v[0] x 8, v[1] x 8] from two adjacent floats, or from two adjacent float16 values
   auto pair_of = [&](const float* v) SUDU_VNNI {
     return _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v)))));
   };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    __m512i qv[W], base[W];
-    __m512 sfv[W];
+  auto pair_of_halves = [&](const uint16_t* v) SUDU_VNNI {
+    return _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int*>(v)))));
+  };
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* q[W];
+    const uint16_t* s16[W];
     for (int j = 0; j < W; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(q[j] + 32 * b + PREFETCH_BYTES), _MM_HINT_T0);
-      qv[j] = _mm512_loadu_si512(q[j] + 32 * b);
-      base[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qv[j]));
-      sfv[j] = pair_of(sf[j] + b);
+      q[j] = w.q + (r * W + j) * w.row_bytes;
+      s16[j] = w.s16 + (r * W + j) * w.ld16;
     }
-    for (int i = 0; i < R; ++i) {
-      const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(xq + i * ldx + 32 * b), flip);
-      const __m512 sxv = pair_of(sx + i * ldsx + b);
+    __m512 acc[W][R];
+    for (int j = 0; j < W; ++j)
+      for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      __m512i qv[W], base[W];
+      __m512 sfv[W];
       for (int j = 0; j < W; ++j) {
-        const __m512i sum = _mm512_dpbusd_epi32(base[j], xu, qv[j]);
-        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
+        _mm_prefetch(reinterpret_cast<const char*>(q[j] + 32 * b + PREFETCH_BYTES), _MM_HINT_T0);
+        qv[j] = _mm512_loadu_si512(q[j] + 32 * b);
+        base[j] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qv[j]));
+        sfv[j] = pair_of_halves(s16[j] + b);
       }
-    }
-  }
-  if (b < nb) {  // an odd last block: the low half only
-    for (int j = 0; j < W; ++j) {
-      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[j] + 32 * b));
-      const __m256i base =
-          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), qv));
-      const __m256 sfv = _mm256_broadcast_ss(sf[j] + b);
       for (int i = 0; i < R; ++i) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + 32 * b));
-        const __m256i sum = _mm256_dpbusd_epi32(base, _mm256_xor_si256(xv, _mm256_set1_epi8(char(0x80))), qv);
-        const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(sx + i * ldsx + b), sfv);
-        acc[j][i] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(sum)), _mm512_castps256_ps512(d),
-                                          acc[j][i], 0x00FF);
+        const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(a.xq + i * a.ldx + 32 * b), flip);
+        const __m512 sxv = pair_of(a.xs + i * a.ldxs + b);
+        for (int j = 0; j < W; ++j) {
+          const __m512i sum = _mm512_dpbusd_epi32(base[j], xu, qv[j]);
+          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
+        }
       }
     }
+    if (b < nb) {  // an odd last block: the low half only
+      for (int j = 0; j < W; ++j) {
+        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[j] + 32 * b));
+        const __m256i base =
+            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), qv));
+        const __m256 sfv = _mm256_set1_ps(half_to_float(s16[j][b]));
+        for (int i = 0; i < R; ++i) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + i * a.ldx + 32 * b));
+          const __m256i sum = _mm256_dpbusd_epi32(base, _mm256_xor_si256(xv, _mm256_set1_epi8(char(0x80))), qv);
+          const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(a.xs + i * a.ldxs + b), sfv);
+          acc[j][i] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(sum)), _mm512_castps256_ps512(d),
+                                            acc[j][i], 0x00FF);
+        }
+      }
+    }
+    for (int j = 0; j < W; ++j) {
+      const float bn = bias ? bias[r * W + j] : 0.f;
+      for (int i = 0; i < R; ++i) y[i * ldy + r * W + j] = hsum16(acc[j][i], _mm256_setzero_ps(), bn);
+    }
   }
-  for (int j = 0; j < W; ++j)
-    for (int i = 0; i < R; ++i) out[j * ldo + i] = hsum16(acc[j][i]);
 }
 
 // ---- int4 weights: four 32-blocks (a quad) per 512-bit step ----
@@ -257,29 +272,12 @@ SUDU_VNNI void dot_q8_rows_vnni(const uint8_t* const* q, int64_t nb, const float
 // second halves; 4 products per lane each) belongs to block l / 4: the two add up in integers, and one
 // float multiply-add covers 4 blocks, where the int8 kernel needs one per 2. That halves the float work
 // per weight, the binding cost of one-row decode on short rows.
-// Per weight row, the kernels read the float16 block scales s16 directly (converted to lanes in-register,
-// 4 halves per quad) and take the min term sum_b m_b * xsum_b (mf: float mins, zero-padded to nbp
-// blocks) into the final reduction: out = hsum((acc lanes 0-7 + lanes 8-15) + min lanes). Activation
-// scales: sxe, per block expanded to 4 lanes (16 floats per quad and row, zero past the last block).
-// The AVX2 kernel computes the same lanes as two 8-lane halves: the same integers, the same float
-// operations in the same order, bit for bit the same rows.
-struct Q4Acts {  // one call's quantized activations, from row 0 of the rows a kernel call takes
-  const int8_t* xq;    // codes in split order, row stride ldx = 128 x quads
-  const float* sxe;    // lane scales, row stride ldse = 16 x quads
-  const float* xsum;   // per block sx * sum(codes), zero-padded, row stride nbp
-  int64_t ldx, ldse, nbp;
-};
-
-// `count` consecutive weight rows (VNNI with W = 2: row pairs) of one call, the rows' work in one loop
-// so per-row costs stay small (the 0.5B's rows are 7 quads long). Row r: codes q + r * row_bytes, float16
-// scales and mins s16 / m16 + r * ld16, one per block. Results: y[i * ldy + r] = dot + bias[r], for the
-// R activation rows i.
-struct Q4Rows {
-  const uint8_t* q;
-  const uint16_t* s16;
-  const uint16_t* m16;
-  int64_t row_bytes, ld16, nb;
-};
+// Per weight row, the kernels convert the float16 block scales to lanes in registers (4 halves per
+// quad) and take the min term sum_b m_b * xsum_b (float16 mins, 8 per step) into the final reduction:
+// y = hsum((acc lanes 0-7 + lanes 8-15) + min lanes) + bias. Activation scales: per block expanded to 4
+// lanes (16 floats per quad and row, zero past the last block). The AVX2 kernel computes the same lanes
+// as two 8-lane halves: the same integers, the same float operations in the same order, bit for bit the
+// same rows.
 
 // Where the 4 float16 scales of quad c (blocks 4c..4c+3) are: in the row, or for a short last quad in
 // tail, zero-filled past block nb, so nothing past the row's scales is read.
@@ -297,7 +295,7 @@ inline const uint16_t* eight_mins(const uint16_t* m16, int64_t b, int64_t nb, ui
 }
 
 template <int R>
-inline void dot_q4_rows(const Q4Rows& w, int64_t count, const Q4Acts& a, const float* bias, float* y, int64_t ldy) {
+inline void dot_q4_rows(const WeightRows& w, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i mask = _mm256_set1_epi8(0x0F);
   // halves 0/1 of a quad's lanes: [h0 x 4, h1 x 4] / [h2 x 4, h3 x 4] from the 4 scales (8 bytes)
@@ -327,7 +325,7 @@ inline void dot_q4_rows(const Q4Rows& w, int64_t count, const Q4Acts& a, const f
           const __m256i sum = _mm256_add_epi32(
               _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa))), ones),
               _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 64))), ones));
-          const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(a.sxe + i * a.ldse + 16 * c + 8 * h), sfv);
+          const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(a.xs + i * a.ldxs + 16 * c + 8 * h), sfv);
           acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[i][h]);
         }
       }
@@ -347,7 +345,7 @@ inline void dot_q4_rows(const Q4Rows& w, int64_t count, const Q4Acts& a, const f
 // W weight rows (1 or 2) at once, as dot_q8_rows_vnni; `count` such rounds (rows r*W .. r*W + W - 1). A
 // short last quad is loaded masked (zeros).
 template <int R, int W>
-SUDU_VNNI void dot_q4_rows_vnni(const Q4Rows& w, int64_t count, const Q4Acts& a, const float* bias, float* y,
+SUDU_VNNI void dot_q4_rows_vnni(const WeightRows& w, int64_t count, const Acts& a, const float* bias, float* y,
                                 int64_t ldy) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   // [h0 x 4, h1 x 4 | h2 x 4, h3 x 4] (16 halves) from the 4 scales broadcast to both 128-bit lanes
@@ -381,7 +379,7 @@ SUDU_VNNI void dot_q4_rows_vnni(const Q4Rows& w, int64_t count, const Q4Acts& a,
       for (int i = 0; i < R; ++i) {
         const int8_t* xa = a.xq + i * a.ldx + 128 * c;
         const __m512i xlo = _mm512_loadu_si512(xa), xhi = _mm512_loadu_si512(xa + 64);
-        const __m512 sxv = _mm512_loadu_ps(a.sxe + i * a.ldse + 16 * c);
+        const __m512 sxv = _mm512_loadu_ps(a.xs + i * a.ldxs + 16 * c);
         for (int j = 0; j < W; ++j) {
           const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo), hi[j], xhi);
           acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sxv, sfv[j]), acc[j][i]);
@@ -399,14 +397,7 @@ SUDU_VNNI void dot_q4_rows_vnni(const Q4Rows& w, int64_t count, const Q4Acts& a,
         for (int i = 0; i < R; ++i) mins[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a.xsum + i * a.nbp + b), mins[i]);
       }
       const float bn = bias ? bias[row] : 0.f;
-      for (int i = 0; i < R; ++i) {
-        const __m256 v = _mm256_add_ps(
-            _mm256_add_ps(_mm512_castps512_ps256(acc[j][i]), _mm512_extractf32x8_ps(acc[j][i], 1)), mins[i]);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        y[i * ldy + row] = _mm_cvtss_f32(s) + bn;
-      }
+      for (int i = 0; i < R; ++i) y[i * ldy + row] = hsum16(acc[j][i], mins[i], bn);
     }
   }
 }
@@ -445,63 +436,41 @@ inline int weight_rows_per_round(bool vnni, int64_t M, int64_t row_bytes) {
   return vnni && (M >= 3 || (M == 2 && row_bytes <= 512)) ? 2 : 1;
 }
 
-// int8 weights: each round of weight rows against all M activation rows (row_chunks of the kernels).
-void qlinear_int8(const int8_t* xq, const float* sx, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s,
-                  int64_t N, int64_t G, const float* bias, float* y) {
-  const int64_t ngroups = K / G, nb = K / 32, nbp = (nb + 7) / 8 * 8;
-  const bool vnni = use_vnni;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sf(2 * nbp, 0.f), out(2 * M);  // per weight row of a round: float scales, zero-padded
-    for (int64_t n = n0; n < n1;) {
-      const int w = n + 1 < n1 ? weight_rows_per_round(vnni, M, K) : 1;
-      const uint8_t* rows[2];
-      const float* sfs[2] = {sf.data(), sf.data() + nbp};
-      for (int j = 0; j < w; ++j) {
-        rows[j] = q + (n + j) * K;
-        row_scales(s + (n + j) * ngroups, nullptr, G, nb, sf.data() + j * nbp, nullptr);
-      }
-      auto call = [&](auto r, int64_t m, auto wc) {
-        if constexpr (decltype(wc)::value == 0)
-          dot_q8_rows<decltype(r)::value>(rows[0], nb, sfs[0], xq + m * K, K, sx + m * nbp, nbp, out.data() + m);
-        else
-          dot_q8_rows_vnni<decltype(r)::value, decltype(wc)::value>(rows, nb, sfs, xq + m * K, K, sx + m * nbp, nbp,
-                                                                   out.data() + m, M);
-      };
-      if (vnni && w == 2)
-        row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 2>{}); });
-      else if (vnni)
-        row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 1>{}); });
-      else
-        row_chunks<MR>(M, [&](auto r, int64_t m) { call(r, m, std::integral_constant<int, 0>{}); });
-      for (int j = 0; j < w; ++j) {
-        const float bn = bias ? bias[n + j] : 0.f;
-        for (int64_t m = 0; m < M; ++m) y[m * N + n + j] = out[j * M + m] + bn;
-      }
-      n += w;
-    }
-  });
-}
-
-// int4 weights. Up to one kernel row chunk of activations (MR_VNNI rows, or MR on AVX2), a thread's whole
-// range of weight rows goes through one kernel call (the row loop inside: per-row costs matter on short
-// rows); with more activation rows, each round of weight rows meets all row chunks while it sits in L1.
-void qlinear_int4(const Q4Acts& acts, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s,
-                  const uint16_t* mn, int64_t N, int64_t G, const float* bias, float* y) {
-  const int64_t ngroups = K / G, nb = K / 32, row_bytes = K / 2;
+// Activations quantized once per call (int4: in split order, zero-padded to whole quads, scales expanded
+// to lanes), then the rows split over threads. Up to one kernel row chunk of activations (MR_VNNI rows,
+// or MR on AVX2), a thread's whole range of weight rows goes through one kernel call; with more, each
+// round of weight rows meets every row chunk while it sits in L1.
+template <bool INT4>
+void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
+                     int64_t N, int64_t G, const float* bias, float* y) {
+  const int64_t ngroups = K / G, nb = K / 32, nbp = (nb + 7) / 8 * 8, nquads = (nb + 3) / 4;
+  const int64_t row_bytes = INT4 ? K / 2 : K;
+  const int64_t ldx = INT4 ? 128 * nquads : K, ldxs = INT4 ? 16 * nquads : nbp;
+  std::vector<int8_t> xq(M * ldx, 0);
+  std::vector<float> sx(M * nbp, 0.f), xsum(M * nbp, 0.f), sxe(INT4 ? M * ldxs : 0, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row_q8(x + m * K, K, xq.data() + m * ldx, sx.data() + m * nbp, xsum.data() + m * nbp, INT4);
+    for (int64_t b = 0; INT4 && b < nb; ++b)
+      _mm_storeu_ps(sxe.data() + m * ldxs + 4 * b, _mm_set1_ps(sx[m * nbp + b]));  // lanes 4b..4b+3
+  }
+  const Acts acts{xq.data(), INT4 ? sxe.data() : sx.data(), xsum.data(), ldx, ldxs, nbp};
   const bool vnni = use_vnni;
   // count rounds of W weight rows from row n, against all M activation rows
-  auto run = [&](const Q4Rows& rows, int64_t count, int W, int64_t n) {
+  auto run = [&](const WeightRows& rows, int64_t count, int W, int64_t n) {
     auto chunk = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
-      const Q4Acts at{acts.xq + m * acts.ldx, acts.sxe + m * acts.ldse, acts.xsum + m * acts.nbp, acts.ldx,
-                      acts.ldse, acts.nbp};
+      const Acts at{acts.xq + m * ldx, acts.xs + m * ldxs, acts.xsum + m * nbp, ldx, ldxs, nbp};
       const float* b = bias ? bias + n : nullptr;
-      if (!vnni)
-        dot_q4_rows<R>(rows, count, at, b, y + m * N + n, N);
-      else if (W == 2)
-        dot_q4_rows_vnni<R, 2>(rows, count, at, b, y + m * N + n, N);
-      else
-        dot_q4_rows_vnni<R, 1>(rows, count, at, b, y + m * N + n, N);
+      float* out = y + m * N + n;
+      if constexpr (INT4) {
+        if (!vnni) dot_q4_rows<R>(rows, count, at, b, out, N);
+        else if (W == 2) dot_q4_rows_vnni<R, 2>(rows, count, at, b, out, N);
+        else dot_q4_rows_vnni<R, 1>(rows, count, at, b, out, N);
+      } else {
+        if (!vnni) dot_q8_rows<R>(rows, count, at, b, out, N);
+        else if (W == 2) dot_q8_rows_vnni<R, 2>(rows, count, at, b, out, N);
+        else dot_q8_rows_vnni<R, 1>(rows, count, at, b, out, N);
+      }
     };
     if (vnni)
       row_chunks<MR_VNNI>(M, chunk);
@@ -509,18 +478,20 @@ void qlinear_int4(const Q4Acts& acts, int64_t M, int64_t K, const uint8_t* q, co
       row_chunks<MR>(M, chunk);
   };
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    if (G != 32) {  // scales and mins expanded to one per block, a row at a time
-      std::vector<uint16_t> s16(nb), m16(nb);
+    if (G != 32) {  // scales (and mins) expanded to one per block, a row at a time
+      std::vector<uint16_t> s16(nb), m16(INT4 ? nb : 0);
       for (int64_t n = n0; n < n1; ++n) {
         for (int64_t b = 0; b < nb; ++b) {
           s16[b] = s[n * ngroups + b * 32 / G];
-          m16[b] = mn[n * ngroups + b * 32 / G];
+          if (INT4) m16[b] = mn[n * ngroups + b * 32 / G];
         }
-        run(Q4Rows{q + n * row_bytes, s16.data(), m16.data(), row_bytes, 0, nb}, 1, 1, n);
+        run(WeightRows{q + n * row_bytes, s16.data(), m16.data(), row_bytes, 0, nb}, 1, 1, n);
       }
       return;
     }
-    auto rows_from = [&](int64_t n) { return Q4Rows{q + n * row_bytes, s + n * ngroups, mn + n * ngroups, row_bytes, ngroups, nb}; };
+    auto rows_from = [&](int64_t n) {
+      return WeightRows{q + n * row_bytes, s + n * ngroups, INT4 ? mn + n * ngroups : nullptr, row_bytes, ngroups, nb};
+    };
     const int W = weight_rows_per_round(vnni, M, row_bytes);
     const int64_t rounds = (n1 - n0) / W;
     if (M <= (vnni ? MR_VNNI : MR)) {
@@ -530,26 +501,6 @@ void qlinear_int4(const Q4Acts& acts, int64_t M, int64_t K, const uint8_t* q, co
     }
     if (rounds * W < n1 - n0) run(rows_from(n0 + rounds * W), 1, 1, n0 + rounds * W);  // an odd last row
   });
-}
-
-// Activations quantized once per call (int4: in split order, zero-padded to whole quads, scales expanded
-// to lanes), then the format's row loop.
-template <bool INT4>
-void qlinear_q8_impl(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* s, const uint16_t* mn,
-                     int64_t N, int64_t G, const float* bias, float* y) {
-  const int64_t nb = K / 32, nbp = (nb + 7) / 8 * 8, nquads = (nb + 3) / 4;
-  const int64_t ldx = INT4 ? 128 * nquads : K, ldxs = INT4 ? 16 * nquads : nbp;
-  std::vector<int8_t> xq(M * ldx, 0);
-  std::vector<float> sx(M * nbp, 0.f), xsum(M * nbp, 0.f), sxe(INT4 ? M * ldxs : 0, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_row_q8(x + m * K, K, xq.data() + m * ldx, sx.data() + m * nbp, xsum.data() + m * nbp, INT4);
-    for (int64_t b = 0; INT4 && b < nb; ++b)
-      _mm_storeu_ps(sxe.data() + m * ldxs + 4 * b, _mm_set1_ps(sx[m * nbp + b]));  // lanes 4b..4b+3
-  }
-  if (INT4)
-    qlinear_int4(Q4Acts{xq.data(), sxe.data(), xsum.data(), ldx, ldxs, nbp}, M, K, q, s, mn, N, G, bias, y);
-  else
-    qlinear_int8(xq.data(), sx.data(), M, K, q, s, N, G, bias, y);
 }
 
 // float32 -> bfloat16, round to nearest even (as PyTorch's .to(torch.bfloat16)); n a multiple of 8.
