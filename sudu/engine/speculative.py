@@ -233,11 +233,10 @@ class DraftModelDrafter:
                 sh.num_computed_tokens += n
                 bm.commit(sh)
 
-    def _logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Draft logits over the whole vocabulary (ids outside the draft head at -inf)."""
-        logits = self.runner.execute(batch)
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft head logits [rows, head] over the whole vocabulary (ids outside the draft head at -inf)."""
         if self.keep is None:
-            return logits[:, : self.vocab_size]
+            return logits
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         full[:, self.keep] = logits
         return full
@@ -258,16 +257,22 @@ class DraftModelDrafter:
         for r in range(max(budgets, default=0)):
             live = [i for i, k in enumerate(budgets) if k > r]
             batch = [ScheduledSeq(shadows[i], shadows[i].num_uncomputed_tokens) for i in live]
-            logits = self._logits(batch)
+            head = self.runner.execute(batch)  # [live, draft head rows]
+            if self.keep is None:
+                head = head[:, : self.vocab_size]
             self.num_draft_steps += 1
+            greedy = [shadows[i].params.greedy for i in live]
+            full = None if all(greedy) else self._full_vocab(head)
+            # each row's top token id (greedy drafts need no full-vocabulary logits)
+            ids = self.keep[head.argmax(dim=-1)] if self.keep is not None else head.argmax(dim=-1)
             for j, i in enumerate(live):
                 sh = shadows[i]
                 sh.num_computed_tokens = sh.num_tokens
-                row = SamplingRow(sh.params, sh.prompt_token_ids, sh.output_token_ids, None)
-                if sh.params.greedy:
-                    token = int(logits[j].argmax())
+                if greedy[j]:
+                    token = int(ids[j])
                 else:
-                    q = target_distribution(logits[j], row)
+                    row = SamplingRow(sh.params, sh.prompt_token_ids, sh.output_token_ids, None)
+                    q = target_distribution(full[j], row)
                     token = int(torch.multinomial(q, 1, generator=self.generator))
                     probs[i].append(q)
                 sh.token_ids.append(token)
