@@ -27,6 +27,22 @@ def test_rms_norm_and_fused_residual_add(rows, n):
     assert torch.equal(ext.rms_norm(x[-1:], w, 1e-6), ext.rms_norm(x, w, 1e-6)[-1:])
 
 
+@pytest.mark.parametrize("n", [1, 7, 100, 151936])  # widths below, at and off the 8-wide loop; a real vocabulary
+def test_argmax_rows_matches_torch_argmax(n):
+    """The sampler's greedy pick (layers/sampler.py argmax_rows) is torch.argmax's: the first among equal
+    maxima, a NaN counts as largest, an all -inf row gives 0."""
+    ext = kernels.load()
+    x = torch.randn(6, n, generator=g(3))
+    x[1, -1] = 100.0  # the maximum in the tail
+    x[2] = x[2, 0]  # all equal: the first
+    x[3] = float("-inf")
+    if n > 4:
+        x[4, 2] = x[4, n - 2] = 50.0  # two equal maxima
+        x[5, 3] = x[5, n - 1] = float("nan")  # the first NaN
+    assert torch.equal(ext.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(ext.argmax_rows(x[4:5].contiguous()), x[4:5].argmax(-1))
+
+
 def test_rmsnorm_module_uses_one_path_for_forward_and_add_forward():
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():

@@ -31,7 +31,7 @@ from sudu.engine.block_manager import BlockManager
 from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
-from sudu.layers.sampler import SamplingRow, apply_penalties, filter_logits
+from sudu.layers.sampler import SamplingRow, apply_penalties, argmax_rows, filter_logits
 
 
 @dataclass
@@ -62,7 +62,7 @@ def verify_draft(logits: torch.Tensor, draft: Draft, row: SamplingRow, generator
         cur = SamplingRow(row.params, row.prompt_token_ids, history, None)
         if row.params.greedy:
             lg = apply_penalties(logits[i].clone(), cur) if _needs_penalties(cur) else logits[i]
-            token = int(lg.argmax())
+            token = int(argmax_rows(lg[None])[0])
             out.append(token)
             if i < m and token == draft.token_ids[i]:
                 history.append(token)
@@ -264,7 +264,8 @@ class DraftModelDrafter:
             greedy = [shadows[i].params.greedy for i in live]
             full = None if all(greedy) else self._full_vocab(head)
             # each row's top token id (greedy drafts need no full-vocabulary logits)
-            ids = self.keep[head.argmax(dim=-1)] if self.keep is not None else head.argmax(dim=-1)
+            top = argmax_rows(head)
+            ids = self.keep[top] if self.keep is not None else top
             for j, i in enumerate(live):
                 sh = shadows[i]
                 sh.num_computed_tokens = sh.num_tokens

@@ -14,5 +14,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate the first `heads` heads of x [T, heads_total, D] in place (rotate-half)");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax of float32 [R, V], as torch.argmax(dim=-1)");
   m.def("llama_decode", &llama_decode, "a llama-family decode step's decoder stack in one call (decoder.cpp)");
 }

@@ -18,6 +18,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,

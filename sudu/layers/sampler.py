@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sudu import kernels
 from sudu.sampling import SamplingParams
 
 
@@ -27,6 +28,15 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # (token_id, logprob), best first
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of [R, V] logits, as torch.argmax(dim=-1) (the first among equals; NaN counts as
+    largest). The native kernel takes ~10 us for a 152K vocabulary where torch's CPU argmax takes ~130."""
+    ext = kernels.load()
+    if ext is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1]:
+        return ext.argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
@@ -84,8 +94,8 @@ class Sampler:
             row_logits = apply_penalties(logits[i], row) if needs_penalty else logits[i]
             if p.greedy:
                 if greedy_ids is None and not needs_penalty:
-                    greedy_ids = logits.argmax(-1).tolist()
-                token = greedy_ids[i] if greedy_ids is not None else int(row_logits.argmax())
+                    greedy_ids = argmax_rows(logits).tolist()
+                token = greedy_ids[i] if greedy_ids is not None else int(argmax_rows(row_logits[None])[0])
             else:
                 probs = filter_logits(row_logits, p).softmax(-1)
                 gen = row.generator or self.shared_generator
