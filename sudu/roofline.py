@@ -2,7 +2,8 @@
 
 Decode at batch 1 reads every weight once per token, so tokens/s can never beat
     bandwidth / bytes read per token.
-This measures the bandwidth (a timed sum over a 1 GiB tensor, median of several), counts the bytes a
+This measures the bandwidth (a timed sum over a 1 GiB tensor, median of several, right after each
+format's decode measurement, since a VM's bandwidth can move during the run), counts the bytes a
 decode step reads per weight format (every linear layer incl. lm_head at that format's bytes per weight,
 plus one embedding row, norms and biases; the KV cache is left out: at the short contexts measured here
 it is well under 1% of the weights), and sets next to each limit the decode tok/s sudu's engine achieves
@@ -97,17 +98,19 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(args.model, pull=True, progress=True)
-    bandwidth_gbs = measure_bandwidth_gbs(threads=args.threads)
     formats = [f.strip() for f in args.formats.split(",")]
-    table = Table(title=f"decode roofline: {ckpt.path.name}, {args.threads} threads, "
-                        f"memory bandwidth {bandwidth_gbs:.1f} GB/s")
-    for col in ("format", "MB read / token", "limit tok/s", "sudu tok/s", "fraction of limit"):
+    # A VM's bandwidth can move with its neighbours during the run (this project's moved 2x within an
+    # hour), so each format's decode measurement is paired with a bandwidth measurement right after it.
+    table = Table(title=f"decode roofline: {ckpt.path.name}, {args.threads} threads; bandwidth measured "
+                        f"right after each format's decode")
+    for col in ("format", "MB read / token", "bandwidth GB/s", "limit tok/s", "sudu tok/s", "fraction of limit"):
         table.add_column(col, justify="right")
     for fmt in formats:
         nbytes = bytes_per_token(ckpt.config, fmt)
-        limit = bandwidth_gbs * 1e9 / nbytes
         achieved = measure_decode_tok_s(args.model, fmt, args.max_tokens, args.threads) if not args.no_measure else None
-        table.add_row(fmt, f"{nbytes / 1e6:.0f}", f"{limit:.1f}",
+        bandwidth_gbs = measure_bandwidth_gbs(threads=args.threads)
+        limit = bandwidth_gbs * 1e9 / nbytes
+        table.add_row(fmt, f"{nbytes / 1e6:.0f}", f"{bandwidth_gbs:.1f}", f"{limit:.1f}",
                       "-" if achieved is None else f"{achieved:.1f}",
                       "-" if achieved is None else f"{achieved / limit:.0%}")
     Console().print(table)

@@ -41,3 +41,22 @@ def test_bad_input_is_one_line_and_nonzero(tiny_model_dirs, tmp_path):
         assert r.returncode != 0, args
         lines = [line for line in r.stderr.strip().splitlines() if line.startswith("sudu:")]
         assert len(lines) == 1 and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_roofline_pairs_each_format_with_a_bandwidth_measurement(tiny_model_dirs):
+    from sudu.roofline import bytes_per_token
+    from sudu.weights.loader import load_checkpoint
+
+    model = str(tiny_model_dirs["llama"])
+    r = sudu("roofline", model, "--formats", "int8,auto", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    cfg = load_checkpoint(model, progress=False).config
+    rows = [line for line in r.stdout.splitlines() if "int8" in line or "auto" in line]
+    assert len(rows) == 2, r.stdout
+    for line, fmt in zip(rows, ("int8", "auto")):
+        cells = [c.strip() for c in line.replace("│", "|").split("|") if c.strip()]
+        fmt_cell, mb, bw, limit, achieved, fraction = cells
+        assert fmt_cell == fmt and mb == f"{bytes_per_token(cfg, fmt) / 1e6:.0f}"
+        assert float(bw) > 0 and float(achieved) > 0 and fraction.endswith("%")
+        # the limit is this row's own bandwidth over the bytes per token
+        assert abs(float(limit) - float(bw) * 1e9 / bytes_per_token(cfg, fmt)) <= 0.05 * float(limit) + 0.1
