@@ -34,42 +34,42 @@ namespace {
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-// Dequantize columns [k0, k0 + kc) of one int8 row into out.
-// Group index of column k, advanced by one comparison per 32 columns: a 64-bit division there cost
-// more than the rest of the dequantization.
+// Group index of column k (k rising from 0), advanced by one comparison per 32 columns: a 64-bit
+// division there cost more than the rest of the dequantization.
 struct GroupCursor {
   int64_t g, next, G;
-  GroupCursor(int64_t k0, int64_t G_) : g(k0 / G_), next((k0 / G_ + 1) * G_), G(G_) {}
+  explicit GroupCursor(int64_t G_) : g(0), next(G_), G(G_) {}
   inline int64_t at(int64_t k) {
     if (k >= next) { ++g; next += G; }
     return g;
   }
 };
 
-inline void dequant_int8(const int8_t* q, const uint16_t* s, int64_t G, int64_t k0, int64_t kc, float* out) {
-  GroupCursor cur(k0, G);
-  for (int64_t k = k0; k < k0 + kc; k += 32) {
+// One int8 row of K columns into out.
+inline void dequant_int8(const int8_t* q, const uint16_t* s, int64_t G, int64_t K, float* out) {
+  GroupCursor cur(G);
+  for (int64_t k = 0; k < K; k += 32) {
     const __m256 sv = _mm256_set1_ps(half_to_float(s[cur.at(k)]));
     for (int64_t j = 0; j < 32; j += 8) {
       __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + j));
       __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      _mm256_storeu_ps(out + (k - k0) + j, _mm256_mul_ps(f, sv));
+      _mm256_storeu_ps(out + k + j, _mm256_mul_ps(f, sv));
     }
   }
 }
 
-inline void dequant_int4(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t G, int64_t k0, int64_t kc,
-                         float* out) {
+// One int4 row of K columns into out.
+inline void dequant_int4(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64_t G, int64_t K, float* out) {
   const __m128i mask = _mm_set1_epi8(0x0F);
-  GroupCursor cur(k0, G);
-  for (int64_t k = k0; k < k0 + kc; k += 32) {
+  GroupCursor cur(G);
+  for (int64_t k = 0; k < K; k += 32) {
     const int64_t g = cur.at(k);
     const __m256 sv = _mm256_set1_ps(half_to_float(s[g]));
     const __m256 mv = _mm256_set1_ps(half_to_float(mn[g]));
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
     __m128i lo = _mm_and_si128(b, mask);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    float* o = out + (k - k0);
+    float* o = out + k;
     _mm256_storeu_ps(o + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sv, mv));
     _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sv, mv));
     _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sv, mv));
@@ -530,9 +530,9 @@ void dequant_impl(const uint8_t* q, const uint16_t* s, const uint16_t* mn, int64
     for (int64_t n = n0; n < n1; ++n) {
       float* dst = out16 ? row.data() : out32 + n * K;
       if (INT4)
-        dequant_int4(q + n * row_bytes, s + n * ngroups, mn + n * ngroups, G, 0, K, dst);
+        dequant_int4(q + n * row_bytes, s + n * ngroups, mn + n * ngroups, G, K, dst);
       else
-        dequant_int8(reinterpret_cast<const int8_t*>(q) + n * row_bytes, s + n * ngroups, G, 0, K, dst);
+        dequant_int8(reinterpret_cast<const int8_t*>(q) + n * row_bytes, s + n * ngroups, G, K, dst);
       if (out16) to_bf16(dst, K, out16 + n * K);
     }
   });
