@@ -131,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="ngram,draft,batch")
     ap.add_argument("--tokens", type=int, default=160)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=0, help="num_speculative_tokens (0: each drafter's default)")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--quantization", default="auto")
     args = ap.parse_args()
@@ -142,12 +142,13 @@ def main() -> None:
     prompts = {wl: small.tokenizer.encode_chat([{"role": "user", "content": text}]) for wl, text in WORKLOADS.items()}
     if "ngram" in parts:
         spec = LLM(SMALL, progress=False, quantization=q, speculative="ngram", num_speculative_tokens=args.k)
-        compare(f"n-gram lookup, {SMALL}", small, spec, prompts, args.tokens, args.k)
+        compare(f"n-gram lookup, {SMALL}", small, spec, prompts, args.tokens, spec.engine.spec_controller.max_tokens)
         del spec
     if "draft" in parts:
         target = LLM(LARGE, progress=False, quantization=q)
         spec = LLM(LARGE, progress=False, quantization=q, speculative=f"draft:{SMALL}", num_speculative_tokens=args.k)
-        compare(f"draft model {SMALL} -> {LARGE}", target, spec, prompts, args.tokens, args.k, draft=True)
+        compare(f"draft model {SMALL} -> {LARGE}", target, spec, prompts, args.tokens,
+                spec.engine.spec_controller.max_tokens, draft=True)
         del target, spec
     if "batch" in parts:
         del small

@@ -32,7 +32,9 @@ class EngineConfig:
     max_itl_factor: float = 2.0
     enable_prefix_caching: bool = True
     speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
-    num_speculative_tokens: int = 4  # most draft tokens per sequence per step (adapted per sequence)
+    # most draft tokens per sequence per step (adapted per sequence); 0 = the drafter's own default:
+    # 7 for n-gram lookup (free to draft), 5 for a draft model (measured: docs/benchmarks.md)
+    num_speculative_tokens: int = 0
     speculative_max_batch: int = 8  # speculation pauses while more sequences than this are decoding (measured: docs/benchmarks.md)
     # draft model's output head: only the first N token ids (in BPE merge order, the most frequent) and the
     # special tokens; 0 = the whole vocabulary. Lossless either way (the target verifies every token).
@@ -51,10 +53,10 @@ class EngineConfig:
             raise ValueError("prefill_chunk_when_decoding must be >= 0 (0 = auto)")
         if self.max_itl_factor <= 1.0:
             raise ValueError("max_itl_factor must be > 1")
-        if not 1 <= self.num_speculative_tokens <= 7:
+        if not 0 <= self.num_speculative_tokens <= 7:
             # k drafts + 1 verified rows must fit the native attention kernel (NATIVE_MAX_Q = 8), whose rows
             # do not depend on each other: what keeps greedy verification identical to plain decoding
-            raise ValueError("num_speculative_tokens must be between 1 and 7")
+            raise ValueError("num_speculative_tokens must be between 1 and 7 (0 = the drafter's default)")
         if self.speculative_draft_vocab < 0:
             raise ValueError("speculative_draft_vocab must be >= 0 (0 = the whole vocabulary)")
         if self.quantization not in ("auto", "none", "int8", "int4"):

@@ -87,7 +87,17 @@ def test_acceptance_is_reported_per_request(engines):
     m = r.metrics
     assert m.num_spec_steps > 0 and m.num_draft_tokens > 0
     assert 0.0 <= m.acceptance_rate <= 1.0
-    assert 1.0 <= m.mean_accepted_len <= 1 + llm.engine.config.num_speculative_tokens
+    assert 1.0 <= m.mean_accepted_len <= 1 + llm.engine.spec_controller.max_tokens
+
+
+def test_draft_length_defaults_per_drafter():
+    """num_speculative_tokens = 0 (the default) takes the drafter's measured default; a setting wins."""
+    from sudu.config import EngineConfig
+    from sudu.engine.speculative import DEFAULT_DRAFT_LEN, draft_len
+
+    assert draft_len(EngineConfig(speculative="ngram")) == DEFAULT_DRAFT_LEN["ngram"] == 7
+    assert draft_len(EngineConfig(speculative="draft:qwen2.5-coder-0.5b-instruct")) == DEFAULT_DRAFT_LEN["draft"] == 5
+    assert draft_len(EngineConfig(speculative="ngram", num_speculative_tokens=3)) == 3
 
 
 def test_speculation_pauses_above_max_batch(engines):

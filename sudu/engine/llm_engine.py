@@ -20,7 +20,7 @@ from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput,
 from sudu.engine.scheduler import Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
-from sudu.engine.speculative import SpecController, build_drafter, verify_draft
+from sudu.engine.speculative import SpecController, build_drafter, draft_len, verify_draft
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
 
@@ -74,7 +74,7 @@ class LLMEngine:
         self.drafter = None
         if config.speculative != "none":
             self.drafter = build_drafter(config.speculative, self)
-            self.spec_controller = SpecController(config.num_speculative_tokens, config.speculative_max_batch)
+            self.spec_controller = SpecController(draft_len(config), config.speculative_max_batch)
         log.info(
             "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens",
             ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size,

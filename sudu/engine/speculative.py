@@ -309,6 +309,17 @@ class SpecController:
         self.k.pop(seq.seq_id, None)
 
 
+# Longest drafts by default (num_speculative_tokens = 0), measured single-stream on this project's CPU
+# (docs/benchmarks.md): n-gram drafts cost nothing, so 7 (the most verification takes) gained 9% over 4
+# on editing; a draft model pays a step per token, and 5 beat 4 and 6.
+DEFAULT_DRAFT_LEN = {"ngram": 7, "draft": 5}
+
+
+def draft_len(config) -> int:
+    """The most draft tokens per sequence per step: the setting, or the drafter's default."""
+    return config.num_speculative_tokens or DEFAULT_DRAFT_LEN[config.speculative.split(":")[0]]
+
+
 def build_drafter(spec: str, engine) -> NgramDrafter | DraftModelDrafter:
     if spec == "ngram":
         return NgramDrafter()
