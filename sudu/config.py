@@ -17,7 +17,7 @@ class EngineConfig:
     # weight format of the linear layers: auto | none | int8 | int4 (layers/linear.py). auto: int4 for
     # checkpoints that come quantized (the catalog's GGUFs), none (float) for float checkpoints
     quantization: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 (per-token, per-head scales; layers/kv_cache.py)
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 (static per-channel scales, calibrated at load; layers/kv_cache.py)
     block_size: int = 16  # tokens per KV block
     # models with sliding-window layers (gemma3): "ring" keeps only each sequence's window for those
     # layers (far less memory; no prefix cache for such models), "full" keeps every position (prefix cache on)

@@ -16,6 +16,9 @@ def scenario(kind: str, heads=6, kv_heads=2, head_dim=24, window=None, seed=0):
     """Four sequences with 1-NATIVE_MAX_Q new tokens over 1-70 cached ones, in a pool of 256 shuffled slots."""
     g = torch.Generator().manual_seed(seed)
     cache = make_kv_cache(kind, 256, kv_heads, head_dim, torch.float32)
+    if kind == "int8":  # per-channel ranges from 0.5 to 4 (values past them saturate, on both paths alike)
+        cache.set_range(0.5 + 3.5 * torch.rand(kv_heads, head_dim, generator=g),
+                        0.5 + 3.5 * torch.rand(kv_heads, head_dim, generator=g))
     order = torch.randperm(256, generator=g)
     q_lens, ctx_slots, used = [1, A.NATIVE_MAX_Q, 3, 1], [], 0
     for q_len, ctx in zip(q_lens, [1, 70, 17, 40]):

@@ -76,8 +76,8 @@ def test_rotary_in_place_matches_apply_rotary(head_dim):
     assert torch.equal(wide[:, :6], out)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_native_decode_stack_matches_the_layers_bit_for_bit(tiny_model_dirs, fmt):
+@pytest.mark.parametrize("fmt,kv", [("int4", "auto"), ("int8", "auto"), ("int4", "int8")])
+def test_native_decode_stack_matches_the_layers_bit_for_bit(tiny_model_dirs, fmt, kv):
     """kernels/decoder.cpp runs a decode step's whole decoder stack in one call; every row must come out
     exactly as through models/llama.py's layers (same ops, same order), and steps it does not cover (prompt
     chunks) must keep taking the layers."""
@@ -86,7 +86,8 @@ def test_native_decode_stack_matches_the_layers_bit_for_bit(tiny_model_dirs, fmt
 
     # no prefix cache: the second run must compute every prompt in the same steps as the first (cached KV
     # from a step of another composition differs in the last bits: prompt rows attend through SDPA)
-    llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, quantization=fmt, enable_prefix_caching=False)
+    llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, quantization=fmt, enable_prefix_caching=False,
+              kv_cache_dtype=kv)
     model = llm.engine.runner.model
     assert model._native_decode is not None
     fn, weights = model._native_decode

@@ -13,7 +13,7 @@ from sudu.config import EngineConfig, default_num_threads
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
-from sudu.layers.kv_cache import layer_kv_bytes_per_token
+from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder, layer_kv_bytes_per_token
 from sudu.layers.kv_cache import make_kv_cache
 from sudu.models import build_model
 from sudu.models.config import ModelConfig
@@ -80,8 +80,27 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     return model, fmt
 
 
+@torch.inference_mode()
+def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int], sliding_window: int | None) -> None:
+    """Sets the scales of the int8 pools among caches (layers/kv_cache.py): one forward pass of token_ids
+    over temporary float32 pools that record every layer's K and V ranges, each scale then covering
+    KV_SCALE_MARGIN times the largest value seen."""
+    if not token_ids:
+        raise SuduError("int8 KV calibration needs at least one token")
+    n = len(token_ids)
+    recorders = [KVRangeRecorder(n, c.k.shape[1], c.k.shape[2]) for c in caches]
+    meta = build_metadata([n], [torch.arange(n)], recorders, sliding_window)
+    model(torch.tensor(token_ids), torch.arange(n), meta)
+    for cache, rec in zip(caches, recorders):
+        if isinstance(cache, Int8KVCache):
+            cache.set_range(rec.k_max * KV_SCALE_MARGIN, rec.v_max * KV_SCALE_MARGIN)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, max_model_len: int,
+                 kv_calibration_ids: list[int] | None = None):
+        """kv_calibration_ids: the tokens of the calibration pass that sets int8 KV scales (required with
+        kv_cache_dtype int8; layers/kv_cache.py calibration_ids)."""
         self.config = config
         self.model_cfg = model_cfg
         self.model = model
@@ -114,6 +133,9 @@ class ModelRunner:
             blocks = self.sliding_blocks.num_blocks if i in ring_layers else self.num_blocks
             self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, blocks * self.block_size,
                                                 model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype))
+        if config.kv_cache_dtype == "int8":
+            log.info("calibrating the int8 KV scales on %d tokens", len(kv_calibration_ids or []))
+            calibrate_int8_kv(model, self.kv_caches, kv_calibration_ids or [], self.sliding_window)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one more token of context costs a sequence (every layer keeping every position)."""

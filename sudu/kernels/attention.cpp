@@ -4,14 +4,16 @@
 //
 // Inputs (float32 unless noted):
 //   q      [T, H, D]  any row/head strides, unit stride within a head
-//   kc, vc [S, Hkv, D]  the layer's pool: float32, or int8 with float16 scales ks, vs [S, Hkv]
+//   kc, vc [S, Hkv, D]  the layer's pool: float32, or int8 with float32 per-channel scales ks, vs [Hkv, D]
+//          (value = int8 * scale; layers/kv_cache.py)
 //   rows   int64 [B, Q]  row of each sequence's i-th new token in q / out, -1 = padding
 //   slots  int64 [B, L]  slots of the keys each sequence may see, in position order
 //   mask   bool  [B, Q, L]  true = attend (causal, sliding window)
 // out [T, H, D] (contiguous) gets softmax(q k^T * scale) v for every valid row.
 //
 // Work is split by (sequence, kv head): each key and value vector is read once for all the sequence's new
-// tokens and the query heads that share it (GQA). Per (query row, head): scores for the keys in its
+// tokens and the query heads that share it (GQA). An int8 pool's K scales are folded into the query
+// (q . (k * s) = (q * s) . k), its V scales into the output. Per (query row, head): scores for the keys in its
 // mask's span (masked ones inside it -inf), max, exp (vectorized, ~1 ulp), sum, then the weighted values
 // in key order. A row's result depends only on
 // its own query and keys, never on the other rows or sequences in the call: speculative verification of k
@@ -37,13 +39,13 @@ inline __m256 load8(const int8_t* p) {
 
 template <typename KV>
 void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_stride, const KV* kc, const KV* vc,
-                           const uint16_t* ks, const uint16_t* vs, int64_t Hkv, int64_t D, const int64_t* rows,
+                           const float* ks, const float* vs, int64_t Hkv, int64_t D, const int64_t* rows,
                            int64_t B, int64_t Q, const int64_t* slots, int64_t L, const bool* mask, int64_t H,
                            float scale, float* out) {
   const int64_t G = H / Hkv;  // query heads per kv head
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> score(Q * G * L), acc(Q * G * D), inv_sum(Q * G);
+    std::vector<float> score(Q * G * L), acc(Q * G * D), inv_sum(Q * G), qs(Q * G * D);
     std::vector<int64_t> lo(Q), hi(Q);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, g = t % Hkv;
@@ -66,23 +68,27 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
         }
         jlo = std::min(jlo, l);
         jhi = std::max(jhi, h);
+        // the row's G query heads, times the K scales of an int8 pool
+        for (int64_t hh = 0; hh < G; ++hh) {
+          const float* qh = q + row * q_row_stride + (g * G + hh) * q_head_stride;
+          float* dst = qs.data() + (i * G + hh) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = ks ? qh[d] * ks[g * D + d] : qh[d];
+        }
       }
       // scores: each key vector once, against every row's G query heads
       for (int64_t j = jlo; j < jhi; ++j) {
         const int64_t off = seq_slots[j] * Hkv + g;
         const KV* k = kc + off * D;
-        const float kscale = ks ? _cvtsh_ss(ks[off]) * scale : scale;
         for (int64_t i = 0; i < Q; ++i) {
           if (j < lo[i] || j >= hi[i]) continue;
           const bool visible = mask[(b * Q + i) * L + j];
-          const float* qrow = q + rows[b * Q + i] * q_row_stride + g * G * q_head_stride;
           for (int64_t h = 0; h < G; ++h) {
             float s = NEG_INF;
             if (visible) {
-              const float* qh = qrow + h * q_head_stride;
+              const float* qh = qs.data() + (i * G + h) * D;
               __m256 a = _mm256_setzero_ps();
               for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
-              s = hsum(a) * kscale;
+              s = hsum(a) * scale;
             }
             score[(i * G + h) * L + j] = s;
           }
@@ -121,13 +127,12 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
       for (int64_t j = jlo; j < jhi; ++j) {
         const int64_t off = seq_slots[j] * Hkv + g;
         const KV* v = vc + off * D;
-        const float vscale = vs ? _cvtsh_ss(vs[off]) : 1.f;
         for (int64_t i = 0; i < Q; ++i) {
           if (j < lo[i] || j >= hi[i]) continue;
           for (int64_t h = 0; h < G; ++h) {
             const float p = score[(i * G + h) * L + j];
             if (p == 0.f) continue;
-            const __m256 pv = _mm256_set1_ps(p * vscale);
+            const __m256 pv = _mm256_set1_ps(p);
             float* a = acc.data() + (i * G + h) * D;
             for (int64_t d = 0; d < D; d += 8)
               _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(a + d)));
@@ -141,7 +146,10 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
           const __m256 inv = _mm256_set1_ps(inv_sum[i * G + h]);
           const float* a = acc.data() + (i * G + h) * D;
           float* o = out + (row * H + g * G + h) * D;
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), inv));
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(a + d), inv);
+            _mm256_storeu_ps(o + d, vs ? _mm256_mul_ps(r, _mm256_loadu_ps(vs + g * D + d)) : r);
+          }
         }
       }
     }
@@ -150,7 +158,7 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
 
 }  // namespace
 
-// Writes into out; see the header for the arguments. ks / vs: float16 [S, Hkv] scales for an int8 pool,
+// Writes into out; see the header for the arguments. ks / vs: float32 [Hkv, D] scales for an int8 pool,
 // empty tensors for a float32 one.
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
                       torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out) {
@@ -163,15 +171,12 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
   TORCH_CHECK(kc.size(2) == D && D % 8 == 0 && H % Hkv == 0, "head sizes do not match");
   TORCH_CHECK(slots.size(0) == B && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == L, "metadata shapes");
   const bool quantized = kc.scalar_type() == torch::kChar;
-  const uint16_t* kss = nullptr;
-  const uint16_t* vss = nullptr;
   if (quantized) {
-    TORCH_CHECK(ks.scalar_type() == torch::kHalf && ks.is_contiguous() && vs.is_contiguous() &&
-                ks.numel() == kc.size(0) * Hkv && vs.numel() == ks.numel(), "int8 pool needs float16 scales [S, Hkv]");
-    kss = reinterpret_cast<const uint16_t*>(ks.data_ptr<at::Half>());
-    vss = reinterpret_cast<const uint16_t*>(vs.data_ptr<at::Half>());
+    TORCH_CHECK(ks.scalar_type() == torch::kFloat && vs.scalar_type() == torch::kFloat && ks.is_contiguous() &&
+                vs.is_contiguous() && ks.numel() == Hkv * D && vs.numel() == ks.numel(),
+                "int8 pool needs float32 scales [Hkv, D]");
     decode_attention_impl<int8_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), kc.data_ptr<int8_t>(),
-                                  vc.data_ptr<int8_t>(), kss, vss, Hkv, D, rows.data_ptr<int64_t>(), B, Q,
+                                  vc.data_ptr<int8_t>(), ks.data_ptr<float>(), vs.data_ptr<float>(), Hkv, D, rows.data_ptr<int64_t>(), B, Q,
                                   slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale),
                                   out.data_ptr<float>());
   } else {

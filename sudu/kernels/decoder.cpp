@@ -3,7 +3,11 @@
 // It chains the very functions the Python layers call (qlinear, add_rms_norm, rotary_, the KV write,
 // decode_attention, silu_mul), in the same order, so every row comes out bit for bit as through
 // models/llama.py: what this saves is the ~100 Python-level module calls and dispatches per layer.
+// The KV pools are float32, or int8 with per-channel scales (layers/kv_cache.py Int8KVCache).
 #include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
 
 namespace {
 
@@ -15,22 +19,52 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w
                                                                                       : c10::nullopt);
 }
 
+// The new tokens' K or V (x: [T, Hkv, D], unit stride within a head) into the pool's slots: copied into a
+// float32 pool; into an int8 one as round(x / scale) to nearest even, saturated at +-127, which is what
+// Int8KVCache.quantize computes.
+void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torch::Tensor& x,
+              const torch::Tensor& scale) {
+  if (pool.scalar_type() != torch::kChar) {
+    pool.index_copy_(0, slot_mapping, x);
+    return;
+  }
+  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
+  TORCH_CHECK(x.stride(2) == 1 && scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
+              scale.numel() == Hkv * D && pool.is_contiguous() && pool.size(1) == Hkv && pool.size(2) == D,
+              "write_kv: bad int8 pool, scales or input");
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  int8_t* out = pool.data_ptr<int8_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < pool.size(0), "write_kv: slot out of range");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* src = xp + t * x.stride(0) + h * x.stride(1);
+      int8_t* dst = out + (slots[t] * Hkv + h) * D;
+      for (int64_t d = 0; d < D; ++d)
+        dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(src[d] / sp[h * D + d]))));
+    }
+  }
+}
+
 }  // namespace
 
 // x: [T, hidden] embeddings of the step's tokens. weights: per layer, 18 tensors: the input norm's weight;
 // qkv q, scales, mins, bias; o q, scales, mins, bias; the post-attention norm's weight; gate_up q, scales,
 // mins, bias; down q, scales, mins, bias (absent mins and biases as empty tensors; models/llama.py).
-// k_caches / v_caches: each layer's float32 pool; slot_mapping, rows, slots, mask: the step's
+// k_caches / v_caches: each layer's pool, float32 or int8; k_scales / v_scales: an int8 pool's float32 [Hkv, D]
+// scales (empty tensors for float32 pools); slot_mapping, rows, slots, mask: the step's
 // AttentionView (decode batch). Returns the final norm of the residual stream [T, hidden].
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
-                           std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor rows,
+                           std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
+                           std::vector<torch::Tensor> v_scales, torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                            torch::Tensor final_norm) {
   const size_t L = k_caches.size();
-  TORCH_CHECK(weights.size() == L * PER_LAYER && v_caches.size() == L, "llama_decode: bad weight list");
+  TORCH_CHECK(weights.size() == L * PER_LAYER && v_caches.size() == L && k_scales.size() == L &&
+              v_scales.size() == L, "llama_decode: bad weight or pool list");
   const int64_t T = x.size(0);
-  const auto empty = torch::empty({0}, torch::dtype(torch::kHalf));
   torch::Tensor residual, h;
   for (size_t l = 0; l < L; ++l) {
     const size_t at = l * PER_LAYER;
@@ -42,10 +76,11 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     }
     auto qkv = linear(h, weights, at + 1).view({T, heads + 2 * kv_heads, head_dim});
     rotary_(qkv, cos, sin, heads + kv_heads);
-    k_caches[l].index_copy_(0, slot_mapping, qkv.narrow(1, heads, kv_heads));
-    v_caches[l].index_copy_(0, slot_mapping, qkv.narrow(1, heads + kv_heads, kv_heads));
+    write_kv(k_caches[l], slot_mapping, qkv.narrow(1, heads, kv_heads), k_scales[l]);
+    write_kv(v_caches[l], slot_mapping, qkv.narrow(1, heads + kv_heads, kv_heads), v_scales[l]);
     auto att = torch::empty({T, heads, head_dim}, x.options());
-    decode_attention(qkv.narrow(1, 0, heads), k_caches[l], v_caches[l], empty, empty, rows, slots, mask, scale, att);
+    decode_attention(qkv.narrow(1, 0, heads), k_caches[l], v_caches[l], k_scales[l], v_scales[l], rows, slots, mask,
+                     scale, att);
     auto o = linear(att.view({T, heads * head_dim}), weights, at + 5);
     std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 9], eps);
     x = linear(silu_mul(linear(h, weights, at + 10)), weights, at + 14);

@@ -20,7 +20,8 @@ torch::Tensor silu_mul(torch::Tensor gu);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
-                           std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor rows,
+                           std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
+                           std::vector<torch::Tensor> v_scales, torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                            torch::Tensor final_norm);

@@ -19,7 +19,7 @@ from sudu import kernels
 from sudu.layers.kv_cache import Int8KVCache, KVCache
 from sudu.layers.linear import fuse_linears
 
-_EMPTY = torch.empty(0, dtype=torch.float16)
+_EMPTY = torch.empty(0)  # a float32 pool's scales
 
 
 NATIVE_MAX_Q = 8  # the native kernel takes batches whose sequences have at most this many new tokens

@@ -8,11 +8,13 @@ from torch import nn
 from sudu import kernels
 from sudu.layers import linear
 from sudu.layers.attention import NATIVE_MAX_Q, AttentionMetadata, QKVProjections, paged_attention
-from sudu.layers.kv_cache import KVCache
+from sudu.layers.kv_cache import Int8KVCache, KVCache
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
 from sudu.models.config import ModelConfig
+
+_NO_SCALE = torch.empty(0)  # a float32 pool's place in the native stack's scale lists
 
 
 class LlamaAttention(QKVProjections, nn.Module):
@@ -102,16 +104,20 @@ class LlamaForCausalLM(nn.Module):
         self._native_decode = (ext.llama_decode, weights)
 
     def _decode_natively(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The one-call native stack for a step of few-new-token sequences over float32 KV pools, or None."""
+        """The one-call native stack for a step of few-new-token sequences over float32 or int8 KV pools, or None."""
         native = self._native_decode
         view, d = meta.full, meta.full.decode
         if (native is None or x.dtype != torch.float32 or x.shape[0] >= linear.PREFILL_MIN_ROWS or d is None
                 or view.seqs or meta.sliding is not None or d.rows.shape[1] > NATIVE_MAX_Q
-                or not all(type(c) is KVCache and c.k.dtype == torch.float32 for c in meta.kv_caches)):
+                or not all(type(c) is Int8KVCache or (type(c) is KVCache and c.k.dtype == torch.float32)
+                           for c in meta.kv_caches)):
             return None
         fn, weights = native
         attn = self.model.layers[0].self_attn
-        return fn(x, weights, [c.k for c in meta.kv_caches], [c.v for c in meta.kv_caches], view.slot_mapping, d.rows,
+        caches = meta.kv_caches
+        k_scales = [c.k_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches]
+        v_scales = [c.v_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches]
+        return fn(x, weights, [c.k for c in caches], [c.v for c in caches], k_scales, v_scales, view.slot_mapping, d.rows,
                   d.slots, d.mask[:, 0], cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                   self.model.norm.eps, attn.scale, self.model.norm.weight)
 
