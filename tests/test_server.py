@@ -300,6 +300,46 @@ def test_sudu_serve_cli_loads_in_background_and_stops_on_sigterm(tiny_model_dirs
             proc.wait()
 
 
+def test_sudu_serve_stopped_while_loading_exits_cleanly(tiny_model_dirs):
+    """SIGTERM before the model has loaded: exit 0 with a one-line message, at once (not after the load,
+    and not with the abort PyTorch's C++ teardown gives when the interpreter exits under a loading thread).
+    The load is held back by a sleep so the signal surely lands during it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (
+        "import sys, time\n"
+        "import sudu.engine.async_engine as a\n"
+        "init = a.AsyncLLMEngine.__init__\n"
+        "a.AsyncLLMEngine.__init__ = lambda self, *x, **k: (time.sleep(60), init(self, *x, **k))[1]\n"
+        "from sudu.cli import main\n"
+        f"sys.argv = ['sudu', 'serve', {str(tiny_model_dirs['qwen2'])!r}, '--port', '{port}', '--log-level', 'warning']\n"
+        "sys.exit(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.getcwd()),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline and status is None:
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/health").status_code
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert status == 503  # still loading
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        out = proc.stdout.read()
+        assert "stopped before the model finished loading" in out
+        assert "Traceback" not in out and "terminate called" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_full_queue_429_then_shutdown_fails_the_stream_with_an_error_event(tiny_model_dirs):
     from sudu.engine.async_engine import AsyncLLMEngine
 

@@ -137,6 +137,9 @@ async def _load_in_background(state: ServerState) -> None:
     logger.info("model %s loaded; serving as %s", engine.model_name, state.model_id)
 
 
+LOAD_THREAD = "sudu-load-model"  # the thread loading the model (server/cli.py checks it at exit)
+
+
 async def _call_in_daemon_thread(fn: Callable[[], Any]) -> Any:
     """Like asyncio.to_thread, but a daemon thread: a shutdown during a long download need not wait for it."""
     loop = asyncio.get_running_loop()
@@ -156,7 +159,7 @@ async def _call_in_daemon_thread(fn: Callable[[], Any]) -> Any:
         except RuntimeError:  # the event loop is already closed: the server stopped meanwhile
             pass
 
-    threading.Thread(target=work, name="sudu-load-model", daemon=True).start()
+    threading.Thread(target=work, name=LOAD_THREAD, daemon=True).start()
     return await future
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import threading
 
 from sudu.config import DEFAULT_MODEL, add_engine_args, engine_config_from_args
 
@@ -37,7 +39,7 @@ def register_cli(subparsers) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from sudu.server.app import build_app, make_server
+    from sudu.server.app import LOAD_THREAD, build_app, make_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
     overrides = {"model": args.model_pos} if args.model_pos else {}
@@ -64,4 +66,11 @@ def run_serve(args: argparse.Namespace) -> int:
     server.run()
     if load_failure:
         raise load_failure[0]
+    if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        # Stopped (SIGINT/SIGTERM) while the model was still loading. The load thread may be inside
+        # PyTorch's C++ code, whose static destructors at a normal interpreter exit then abort the process
+        # ("terminate called without an active exception", exit 134): end here instead.
+        print("sudu: stopped before the model finished loading", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     return 0
