@@ -11,19 +11,22 @@
 //   mask   bool  [B, Q, L]  true = attend (causal, sliding window)
 // out [T, H, D] (contiguous) gets softmax(q k^T * scale) v for every valid row.
 //
-// Work is split by (sequence, kv head): each key and value vector is read once for all the sequence's new
-// tokens and the query heads that share it (GQA). An int8 pool's K scales are folded into the query
-// (q . (k * s) = (q * s) . k), its V scales into the output. Per (query row, head): scores for the keys in its
-// mask's span (masked ones inside it -inf), max, exp (vectorized, ~1 ulp), sum, then the weighted values
-// in key order. A row's result depends only on
-// its own query and keys, never on the other rows or sequences in the call: speculative verification of k
-// tokens gives bit for bit what k plain decode steps give.
+// Work is split by (sequence, kv head). Keys and values are gathered from the paged pool 64 at a time into a
+// float32 block that stays in L1 while every new token of the sequence and every query head sharing the kv
+// head (GQA) uses it. Scores go 8 keys per step: 8 dot products side by side, reduced together, rather than
+// one horizontal sum per key (what made long contexts slow: decode at 4K keys spent ~20 ms a step here). An
+// int8 pool's K scales are folded into the query (q . (k * s) = (q * s) . k), its V scales into the output.
+// Per (query row, head): scores for the keys in its mask's span (masked ones inside it -inf), max, exp
+// (vectorized, ~1 ulp), sum, then the weighted values in key order, the accumulator in registers. A row's
+// result depends only on its own query and keys, never on the other rows or sequences in the call:
+// speculative verification of k tokens gives bit for bit what k plain decode steps give.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "simd.h"
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -37,6 +40,51 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+constexpr int64_t KB = 64;  // keys per block: a block's K or V, as float32 [KB, D], stays in L1 for all query heads
+
+// Keys j0..j0+n-1 of a sequence (kv head g) from the pool into buf [KB, D] as float32, zero past n. The
+// next block's rows (keys j0 + KB .. j1 - 1) are requested meanwhile, so they arrive while this block is
+// computed on: without it the gathers wait on memory one block at a time (at 4K keys of float32 K and V,
+// ~8 GB/s).
+template <typename KV>
+inline void gather_block(const KV* pool, const int64_t* seq_slots, int64_t j0, int64_t n, int64_t j1, int64_t Hkv,
+                         int64_t g, int64_t D, float* buf) {
+  const int64_t row_bytes = D * sizeof(KV);
+  for (int64_t t = 0; t < n; ++t) {
+    if (j0 + KB + t < j1) {
+      const char* next = reinterpret_cast<const char*>(pool + (seq_slots[j0 + KB + t] * Hkv + g) * D);
+      for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+    }
+    const KV* src = pool + (seq_slots[j0 + t] * Hkv + g) * D;
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(buf + t * D + d, load8(src + d));
+  }
+  if (n < KB) std::fill(buf + n * D, buf + KB * D, 0.f);
+}
+
+// Lane t = the sum of a[t]'s 8 lanes, by the same tree for every t.
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// acc[0 : 8 NC] += sum over keys j in [jb, je) of p[j] * v[j - j0] (v rows of D floats from column dc), in
+// key order, the accumulator in registers.
+template <int NC>
+inline void accumulate_values(float* acc, const float* p, const float* v, int64_t j0, int64_t jb, int64_t je,
+                              int64_t D) {
+  __m256 r[NC];
+  for (int c = 0; c < NC; ++c) r[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t j = jb; j < je; ++j) {
+    if (p[j] == 0.f) continue;
+    const __m256 pv = _mm256_set1_ps(p[j]);
+    const float* vj = v + (j - j0) * D;
+    for (int c = 0; c < NC; ++c) r[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * c), r[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + 8 * c, r[c]);
+}
+
 template <typename KV>
 void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_stride, const KV* kc, const KV* vc,
                            const float* ks, const float* vs, int64_t Hkv, int64_t D, const int64_t* rows,
@@ -45,7 +93,7 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
   const int64_t G = H / Hkv;  // query heads per kv head
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> score(Q * G * L), acc(Q * G * D), inv_sum(Q * G), qs(Q * G * D);
+    std::vector<float> score(Q * G * L), acc(Q * G * D), inv_sum(Q * G), qs(Q * G * D), buf(KB * D);
     std::vector<int64_t> lo(Q), hi(Q);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, g = t % Hkv;
@@ -75,22 +123,33 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
           for (int64_t d = 0; d < D; ++d) dst[d] = ks ? qh[d] * ks[g * D + d] : qh[d];
         }
       }
-      // scores: each key vector once, against every row's G query heads
-      for (int64_t j = jlo; j < jhi; ++j) {
-        const int64_t off = seq_slots[j] * Hkv + g;
-        const KV* k = kc + off * D;
+      // scores, a block of keys at a time (as float32 in L1), 8 keys per step: 8 dot products side by side,
+      // reduced together (hsum8x8). A key's score depends only on its own vector and the query.
+      for (int64_t j0 = jlo; j0 < jhi; j0 += KB) {
+        const int64_t n = std::min(KB, jhi - j0);
+        gather_block(kc, seq_slots, j0, n, jhi, Hkv, g, D, buf.data());
         for (int64_t i = 0; i < Q; ++i) {
-          if (j < lo[i] || j >= hi[i]) continue;
-          const bool visible = mask[(b * Q + i) * L + j];
+          const int64_t jb = std::max(lo[i], j0), je = std::min(hi[i], j0 + n);
+          if (jb >= je) continue;
+          const bool* m = mask + (b * Q + i) * L;
           for (int64_t h = 0; h < G; ++h) {
-            float s = NEG_INF;
-            if (visible) {
-              const float* qh = qs.data() + (i * G + h) * D;
-              __m256 a = _mm256_setzero_ps();
-              for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
-              s = hsum(a) * scale;
+            const float* qh = qs.data() + (i * G + h) * D;
+            float* srow = score.data() + (i * G + h) * L;
+            for (int64_t k0 = (jb - j0) / 8 * 8; j0 + k0 < je; k0 += 8) {
+              __m256 a[8];
+              for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+              const float* kb = buf.data() + k0 * D;
+              for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + u * D + d), a[u]);
+              }
+              alignas(32) float s8[8];
+              _mm256_store_ps(s8, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+              for (int u = 0; u < 8; ++u) {
+                const int64_t j = j0 + k0 + u;
+                if (j >= jb && j < je) srow[j] = m[j] ? s8[u] : NEG_INF;
+              }
             }
-            score[(i * G + h) * L + j] = s;
           }
         }
       }
@@ -111,31 +170,39 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
           }
           float tail = 0.f;
           if (j < hi[i]) {  // the last < 8 keys through the same exp, on a padded copy
-            alignas(32) float buf[8];
-            for (int64_t u = 0; u < 8; ++u) buf[u] = j + u < hi[i] ? s[j + u] - mx : NEG_INF;
-            _mm256_store_ps(buf, exp8(_mm256_load_ps(buf)));
+            alignas(32) float pad[8];
+            for (int64_t u = 0; u < 8; ++u) pad[u] = j + u < hi[i] ? s[j + u] - mx : NEG_INF;
+            _mm256_store_ps(pad, exp8(_mm256_load_ps(pad)));
             for (int64_t u = 0; j + u < hi[i]; ++u) {
-              s[j + u] = buf[u];
-              tail += buf[u];
+              s[j + u] = pad[u];
+              tail += pad[u];
             }
           }
           inv_sum[i * G + h] = 1.0f / (hsum(sum) + tail);
         }
       }
-      // weighted values: each value vector once, into every (row, head) accumulator, in key order
+      // weighted values, a block at a time: each (row, head) accumulator takes its keys in key order
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = jlo; j < jhi; ++j) {
-        const int64_t off = seq_slots[j] * Hkv + g;
-        const KV* v = vc + off * D;
+      for (int64_t j0 = jlo; j0 < jhi; j0 += KB) {
+        const int64_t n = std::min(KB, jhi - j0);
+        gather_block(vc, seq_slots, j0, n, jhi, Hkv, g, D, buf.data());
         for (int64_t i = 0; i < Q; ++i) {
-          if (j < lo[i] || j >= hi[i]) continue;
+          const int64_t jb = std::max(lo[i], j0), je = std::min(hi[i], j0 + n);
+          if (jb >= je) continue;
           for (int64_t h = 0; h < G; ++h) {
-            const float p = score[(i * G + h) * L + j];
-            if (p == 0.f) continue;
-            const __m256 pv = _mm256_set1_ps(p);
+            const float* p = score.data() + (i * G + h) * L;
             float* a = acc.data() + (i * G + h) * D;
-            for (int64_t d = 0; d < D; d += 8)
-              _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(a + d)));
+            for (int64_t dc = 0; dc < D; dc += 64) {
+              switch (std::min<int64_t>(8, (D - dc) / 8)) {
+#define SUDU_NC(NC) \
+  case NC:          \
+    accumulate_values<NC>(a + dc, p, buf.data() + dc, j0, jb, je, D); \
+    break;
+                SUDU_NC(1) SUDU_NC(2) SUDU_NC(3) SUDU_NC(4) SUDU_NC(5) SUDU_NC(6) SUDU_NC(7) SUDU_NC(8)
+#undef SUDU_NC
+                default: break;
+              }
+            }
           }
         }
       }
