@@ -5,6 +5,8 @@ Measures, for each side:
   prompt      prompt processing tok/s on a 512-token prompt: 512 / time to the first token
   batch N     aggregate output tok/s with N concurrent sequences (short distinct prompts, greedy,
               ignore EOS): total generated tokens / wall time from submission to the last token
+  decode @C   single-stream decode tok/s after a C-token prompt (attention over a long context; sudu's KV
+              pool in --kv-cache-dtype, llama.cpp's in its default float16)
 and prints sudu / llama.cpp ratios, plus the decode roofline of sudu's weight format: each sudu decode
 run against the bandwidth measured right after it (this VM's moves by 2x within an hour).
 
@@ -14,7 +16,8 @@ which is what llama.cpp's own batched server does. Greedy picking is an argmax o
 on both sides. Each figure is the median of --repeat runs; the two engines alternate within a repeat.
 
     pip install 'sudu[bench-llamacpp]'    # or: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python
-    python benchmarks/vs_llamacpp.py [--quantization int8] [--batches 8,32] [--repeat 3]
+    python benchmarks/vs_llamacpp.py [--quantization int8] [--batches 8,32] [--contexts 1000,4000]
+                                     [--kv-cache-dtype int8] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -48,11 +51,11 @@ def long_prompt(tokenizer, n_tokens: int, salt: int) -> list[int]:
 
 # ---- sudu -----------------------------------------------------------------------------------------
 class Sudu:
-    def __init__(self, model: str, quantization: str, threads: int, max_seqs: int):
+    def __init__(self, model: str, quantization: str, threads: int, max_seqs: int, kv_cache_dtype: str):
         from sudu.engine.llm import LLM
 
         self.llm = LLM(model, progress=False, quantization=quantization, num_threads=threads,
-                       max_num_seqs=max(max_seqs, 1), kv_cache_memory=1 << 30)
+                       max_num_seqs=max(max_seqs, 1), kv_cache_memory=1 << 30, kv_cache_dtype=kv_cache_dtype)
 
     def _params(self, n):
         from sudu.sampling import SamplingParams
@@ -152,6 +155,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--batches", default="8,32")
     parser.add_argument("--batch-tokens", type=int, default=32, help="tokens generated per sequence in batch runs")
+    parser.add_argument("--contexts", default="1000,4000", help="prompt lengths for the long-context decode runs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="sudu's KV pool")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -160,15 +165,18 @@ def main() -> None:
     ckpt = load_checkpoint(args.model, progress=False)
     tok = ckpt.tokenizer
     batches = [int(b) for b in args.batches.split(",") if b]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
     max_seqs = max(batches + [1])
-    sides = {"sudu": Sudu(args.model, args.quantization, args.threads, max_seqs),
-             "llama.cpp": LlamaCpp(path, args.threads, max_seqs, n_ctx=max(4096, max_seqs * 160))}
+    n_ctx = max([4096, max_seqs * 160] + [c + args.decode_tokens + 16 for c in contexts])
+    sides = {"sudu": Sudu(args.model, args.quantization, args.threads, max_seqs, args.kv_cache_dtype),
+             "llama.cpp": LlamaCpp(path, args.threads, max_seqs, n_ctx=n_ctx)}
     decode_prompt = tok.encode_chat([{"role": "user", "content": "Write a Python function that merges two sorted "
                                                                  "lists, with a docstring and tests."}])
     results: dict[str, dict[str, list[float]]] = {name: {} for name in sides}
     for name, side in sides.items():  # warm-up: first-call costs (kernel compile, page faults) stay out
         side.decode(decode_prompt, 4)
-        side.batch(batch_prompts(tok, 2), 2)
+        if batches:
+            side.batch(batch_prompts(tok, 2), 2)
     # This VM's bandwidth moves with its neighbours (30-60 GB/s within an hour), so each sudu decode run is
     # paired with a bandwidth measurement taken right after it, and the roofline fraction is per pair.
     bandwidths: list[float] = []
@@ -181,20 +189,27 @@ def main() -> None:
             res.setdefault("prompt", []).append(side.prompt(long_prompt(tok, args.prompt_tokens, salt=r)))
             for b in batches:
                 res.setdefault(f"batch {b}", []).append(side.batch(batch_prompts(tok, b), args.batch_tokens))
+            for c in contexts:
+                res.setdefault(f"decode @{c}", []).append(side.decode(long_prompt(tok, c, salt=100 + r),
+                                                                      args.decode_tokens))
             print(f"repeat {r + 1}/{args.repeat} {name}: " +
                   ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()), flush=True)
 
     resolved = sides["sudu"].llm.engine.quantization  # what --quantization auto chose
     fmt = "auto" if args.quantization == "auto" else {"none": "fp32"}.get(resolved, resolved)
     per_token = bytes_per_token(ckpt.config, fmt)
-    print(f"\n{args.model}, sudu --quantization {args.quantization} ({resolved}), {args.threads} threads, "
-          f"median of {args.repeat}; llama.cpp batches via llama_batch with one seq id per sequence")
+    print(f"\n{args.model}, sudu --quantization {args.quantization} ({resolved}) --kv-cache-dtype "
+          f"{args.kv_cache_dtype}, {args.threads} threads, median of {args.repeat}; llama.cpp batches via llama_batch "
+          f"with one seq id per sequence")
     print(f"| metric (tok/s) | sudu | llama.cpp | sudu / llama.cpp |\n|---|---:|---:|---:|")
     for metric in results["sudu"]:
         s = statistics.median(results["sudu"][metric])
         l = statistics.median(results["llama.cpp"][metric])
         labels = {"decode": "single-stream decode", "prompt": f"prompt processing ({args.prompt_tokens} tokens)"}
-        label = labels.get(metric) or f"aggregate output, {metric.split()[-1]} sequences"
+        if metric.startswith("decode @"):
+            label = f"single-stream decode after a {metric[8:]}-token prompt"
+        else:
+            label = labels.get(metric) or f"aggregate output, {metric.split()[-1]} sequences"
         print(f"| {label} | {s:.1f} | {l:.1f} | {s / l:.2f}x |")
     fractions = [tps * per_token / (bw * 1e9) for tps, bw in zip(results["sudu"]["decode"], bandwidths)]
     print(f"\nroofline ({fmt}, {per_token / 1e6:.0f} MB/token), each sudu decode run against the bandwidth measured "

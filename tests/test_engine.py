@@ -282,10 +282,10 @@ def test_int8_kv_scales_cover_the_calibration_pass(llms, arch, monkeypatch):
     monkeypatch.setattr(KC.KVRangeRecorder, "write", lambda self, s, k, v: seen.append((self, k, v)) or record(self, s, k, v))
     eng = llms(arch, kv_cache_dtype="int8").engine
     caches = eng.runner.kv_caches
-    ids = KC.calibration_ids(eng.tokenizer, eng.model_config.vocab_size)
+    ids = KC.calibration_ids(eng.tokenizer, eng.model_config)
     assert len(ids) > 100
     seen.clear()
-    model_runner.calibrate_int8_kv(eng.runner.model, caches, ids, eng.runner.sliding_window)
+    model_runner.calibrate_int8_kv(eng.runner.model, caches, ids)
     assert len(seen) == len(caches)
     limit = 127 / KC.KV_SCALE_MARGIN
     for cache, (_, k, v) in zip(caches, seen):

@@ -3,6 +3,8 @@ per-block reference written from ggml's block layouts, the parser against gguf.G
 ModelConfig, GGUF -> Hugging Face names and conventions, and the loader on a tiny synthetic file."""
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -401,3 +403,40 @@ def test_hf_directory_with_missing_shard_is_one_clear_error(tmp_path):
     (tmp_path / "hf" / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(SuduError, match="missing: model-00002-of-00002.safetensors"):
         load_checkpoint(str(tmp_path / "hf"), progress=False).state_dict()
+
+
+def test_auto_quantization_keeps_int4_only_where_it_holds_accuracy(tmp_path, monkeypatch):
+    """`--quantization auto` on a quantized checkpoint checks int4 (int8 head) against float on the built-in
+    text, keeps it within the perplexity bound, falls back to int8 beyond it, and caches the decision per
+    file so a later load does not check again (engine/auto_format.py)."""
+    from sudu.engine import auto_format
+    from sudu.engine.llm import LLM
+    from sudu.layers.linear import QuantizedLinear
+    from sudu.sampling import SamplingParams
+
+    monkeypatch.setattr(auto_format, "_cache_path", lambda: tmp_path / "auto_format.json")
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_tiny_gguf(path, "qwen2")
+
+    def formats(llm):
+        model = llm.engine.runner.model
+        return {m.fmt for m in model.modules() if isinstance(m, QuantizedLinear)}, model.lm_head.fmt
+
+    checks = []
+    text_logits = auto_format.text_logits
+    monkeypatch.setattr(auto_format, "text_logits", lambda *a: checks.append(1) or text_logits(*a))
+    monkeypatch.setattr(auto_format, "AUTO_MAX_PPL_RISE", 10.0)  # holds
+    llm = LLM(str(path), progress=False, kv_cache_memory=1 << 20)
+    assert llm.engine.quantization == "int4" and formats(llm) == ({"int4", "int8"}, "int8")
+    assert len(checks) == 2  # float and int4
+    entry, = json.loads((tmp_path / "auto_format.json").read_text()).values()
+    assert entry["format"] == "int4" and entry["ppl_rise"] <= 10.0
+    again = LLM(str(path), progress=False, kv_cache_memory=1 << 20)  # cached: no check
+    assert again.engine.quantization == "int4" and len(checks) == 2
+
+    monkeypatch.setattr(auto_format, "AUTO_MAX_PPL_RISE", -1.0)  # any rise misses (and a new cache key)
+    fallback = LLM(str(path), progress=False, kv_cache_memory=1 << 20)
+    assert fallback.engine.quantization == "int8" and formats(fallback) == ({"int8"}, "int8")
+    assert len(checks) == 4
+    out = fallback.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

@@ -59,7 +59,7 @@ class LLMEngine:
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len,
-                                  calibration_ids(self.tokenizer, ckpt.config.vocab_size))
+                                  calibration_ids(self.tokenizer, ckpt.config))
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           sliding=self.runner.sliding_blocks)
         if self.runner.sliding_blocks is not None and config.enable_prefix_caching:

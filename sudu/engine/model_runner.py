@@ -10,6 +10,7 @@ import logging
 import torch
 
 from sudu.config import EngineConfig, default_num_threads
+from sudu.engine.auto_format import forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
@@ -64,14 +65,21 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     """The checkpoint's network ready to run: loaded in config.dtype, its linear layers quantized to the
     resolved format, and projections that read the same input (q/k/v, gate/up) fused into one call
     each. Returns (network, weight format)."""
-    from sudu.layers.linear import AUTO_HEAD_FORMAT, quantize_model, resolve_format
+    from sudu.engine.auto_format import quantize_auto
+    from sudu.layers.linear import quantize_model, resolve_format
 
     dtype = DTYPES[config.dtype]
-    model = load_network(ckpt.config, ckpt.tensors(dtype), dtype)
+
+    def load():
+        return load_network(ckpt.config, ckpt.tensors(dtype), dtype)
+
+    model = load()
     fmt = resolve_format(config.quantization, ckpt)
     if fmt != "none":
-        auto = config.quantization == "auto"
-        quantize_model(model, ckpt, fmt, overrides={"lm_head": AUTO_HEAD_FORMAT} if auto else None)
+        if config.quantization == "auto":  # int4 with an int8 head where it holds the model's accuracy, else int8
+            model, fmt = quantize_auto(ckpt, model, load)
+        else:
+            quantize_model(model, ckpt, fmt)
     for module in model.modules():
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()
@@ -81,7 +89,7 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
 
 
 @torch.inference_mode()
-def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int], sliding_window: int | None) -> None:
+def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]) -> None:
     """Sets the scales of the int8 pools among caches (layers/kv_cache.py): one forward pass of token_ids
     over temporary float32 pools that record every layer's K and V ranges, each scale then covering
     KV_SCALE_MARGIN times the largest value seen."""
@@ -89,8 +97,7 @@ def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]
         raise SuduError("int8 KV calibration needs at least one token")
     n = len(token_ids)
     recorders = [KVRangeRecorder(n, c.k.shape[1], c.k.shape[2]) for c in caches]
-    meta = build_metadata([n], [torch.arange(n)], recorders, sliding_window)
-    model(torch.tensor(token_ids), torch.arange(n), meta)
+    forward_text(model, token_ids, recorders)
     for cache, rec in zip(caches, recorders):
         if isinstance(cache, Int8KVCache):
             cache.set_range(rec.k_max * KV_SCALE_MARGIN, rec.v_max * KV_SCALE_MARGIN)
@@ -135,7 +142,7 @@ class ModelRunner:
                                                 model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype))
         if config.kv_cache_dtype == "int8":
             log.info("calibrating the int8 KV scales on %d tokens", len(kv_calibration_ids or []))
-            calibrate_int8_kv(model, self.kv_caches, kv_calibration_ids or [], self.sliding_window)
+            calibrate_int8_kv(model, self.kv_caches, kv_calibration_ids or [])
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one more token of context costs a sequence (every layer keeping every position)."""

@@ -45,10 +45,11 @@ CALIBRATION_TEXT = (
 )
 
 
-def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
-    """The calibration pass's tokens: a chat turn, then code and prose (ids the network's vocabulary has)."""
+def calibration_ids(tokenizer, config) -> list[int]:
+    """The calibration pass's tokens: a chat turn, then code and prose (ids the network's vocabulary has, at
+    most the model's positions)."""
     ids = tokenizer.encode_chat(CALIBRATION_CHAT) + tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
-    return [i for i in ids if i < vocab_size]
+    return [i for i in ids if i < config.vocab_size][:config.max_position_embeddings]
 
 
 class KVCache:

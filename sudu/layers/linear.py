@@ -198,7 +198,8 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
 
 # What `--quantization auto` (the default) picks for a checkpoint whose weights are already quantized
 # (GGUF files such as the catalog's Q4_K_M): the fastest format that keeps greedy agreement with float32
-# >= 95% and perplexity within +3% on the default model. Float checkpoints stay float.
+# >= 95% and perplexity within +3% on the default model, where a check at first load finds it holds the
+# checkpoint's accuracy (engine/auto_format.py; else int8). Float checkpoints stay float.
 AUTO_FORMAT = "int4"
 # ... except the output head, which `auto` keeps at 8 bits (as llama.cpp's Q4_K_M keeps it at 6-8): the most
 # sensitive matrix (it alone decides the argmax), and in the catalog's files already Q8_0, copied exactly.
