@@ -54,8 +54,8 @@ def main() -> None:
     hits = {L: 0 for L in exits}
     total = 0
     print(f"| workload | {' | '.join(f'exit {L}/{n}' for L in exits)} |\n|---|{'---|' * len(exits)}")
-    for wl, text in WORKLOADS.items():
-        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": text}])
+    for wl, texts in WORKLOADS.items():
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": texts[0]}])  # the first of each workload
         completion = llm.generate([prompt], greedy(args.tokens))[0].token_ids
         pred = exit_predictions(llm, prompt + completion, slice(len(prompt) - 1, len(prompt) + len(completion) - 1), exits)
         target = torch.tensor(completion)
