@@ -125,6 +125,10 @@ def quantize_auto(ckpt, model: torch.nn.Module, reload: Callable[[], torch.nn.Mo
         linear.quantize_model(model, ckpt, fmt, overrides=head if fmt == linear.AUTO_FORMAT else None)
         return model, fmt
     ids = calibration_ids(ckpt.tokenizer, ckpt.config)
+    if len(ids) < 2:  # nothing to measure with (a vocabulary without these texts' tokens): keep the format
+        log.warning("auto: no calibration text for this tokenizer; %s unchecked", linear.AUTO_FORMAT)
+        linear.quantize_model(model, ckpt, linear.AUTO_FORMAT, overrides=head)
+        return model, linear.AUTO_FORMAT
     log.info("auto: checking %s (%s head) against float on %d tokens (once per checkpoint)", linear.AUTO_FORMAT,
              linear.AUTO_HEAD_FORMAT, len(ids))
     ref = text_logits(model, ids)
