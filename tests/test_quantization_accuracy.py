@@ -8,15 +8,14 @@ Teacher forcing measures per-step agreement; a free-running comparison would cou
 first near-tie as a miss and so measure where the first divergence falls, not the format's accuracy.
 Run with `pytest -m slow tests/test_quantization_accuracy.py -s` to see the figures.
 """
-import math
 import sys
 
 import pytest
 import torch
 
+from sudu.engine.auto_format import perplexity, text_logits
 from sudu.engine.llm import LLM
 from sudu.layers import linear
-from sudu.layers.attention import build_metadata
 from sudu.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -53,20 +52,13 @@ PREFILL_MIN_ROWS = 1 << 30  # all_logits: every row through the decode kernel (a
 MIN_AGREEMENT = 0.95
 
 
-@torch.inference_mode()
 def all_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """float32 logits at every position of one sequence, in one forward pass over fresh KV slots. Every
-    row goes through the decode kernel (int8-rounded activations), not the prefill path, so the figures
-    are those of decoding (unless PREFILL_MIN_ROWS is lowered: test_prefill_path_accuracy)."""
-    saved, linear.PREFILL_MIN_ROWS = linear.PREFILL_MIN_ROWS, PREFILL_MIN_ROWS
-    try:
-        runner = llm.engine.runner
-        slots = torch.arange(len(token_ids))
-        meta = build_metadata([len(token_ids)], [slots], runner.kv_caches, runner.sliding_window)
-        hidden = runner.model(torch.tensor(token_ids), torch.arange(len(token_ids)), meta)
-        return runner.model.compute_logits(hidden).float()
-    finally:
-        linear.PREFILL_MIN_ROWS = saved
+    """float32 logits at every position of one sequence, in one forward pass over the engine's KV pool
+    (fresh slots). Every row goes through the decode kernel (int8-rounded activations), not the prefill
+    path, so the figures are those of decoding (unless PREFILL_MIN_ROWS is lowered:
+    test_prefill_path_accuracy). The same function `--quantization auto`'s check measures with."""
+    runner = llm.engine.runner
+    return text_logits(runner.model, token_ids, runner.kv_caches, PREFILL_MIN_ROWS)
 
 
 def make_llm(quantization: str, kv_cache_dtype: str = "auto") -> LLM:
@@ -85,12 +77,6 @@ def reference():
     self_agreement = agreement(llm, sequences)
     del llm
     return sequences, text_ids, ppl, self_agreement
-
-
-def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
-    logprobs = torch.log_softmax(logits[:-1], dim=-1)
-    nll = -logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean().item()
-    return math.exp(nll)
 
 
 def agreement(llm: LLM, sequences) -> float:

@@ -53,28 +53,33 @@ def forward_text(model: torch.nn.Module, token_ids: list[int], pools: list) -> t
 
 
 @torch.inference_mode()
-def text_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """float32 logits at every position, over temporary float32 KV pools, every row through the decode
-    kernel (linear.PREFILL_MIN_ROWS lifted for the call), as decoding computes them."""
+def text_logits(model: torch.nn.Module, token_ids: list[int], pools: list | None = None,
+                prefill_min_rows: int = 1 << 30) -> torch.Tensor:
+    """float32 logits at every position, over the given per-layer KV pools (default: temporary float32
+    ones). linear.PREFILL_MIN_ROWS is set to prefill_min_rows for the call: by default every row goes
+    through the decode kernel, as decoding computes it. (tests/test_quantization_accuracy.py measures
+    through this too.)"""
     cfg = model.config
-    pools = [KVCache(len(token_ids), cfg.num_key_value_heads, cfg.head_dim, torch.float32)
-             for _ in range(cfg.num_hidden_layers)]
-    saved, linear.PREFILL_MIN_ROWS = linear.PREFILL_MIN_ROWS, 1 << 30
+    if pools is None:
+        pools = [KVCache(len(token_ids), cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+                 for _ in range(cfg.num_hidden_layers)]
+    saved, linear.PREFILL_MIN_ROWS = linear.PREFILL_MIN_ROWS, prefill_min_rows
     try:
         return model.compute_logits(forward_text(model, token_ids, pools)).float()
     finally:
         linear.PREFILL_MIN_ROWS = saved
 
 
+def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
+    """Perplexity of token_ids[1:] under logits[:-1] (logits at every position of token_ids)."""
+    target = torch.tensor(token_ids[1:]).unsqueeze(1)
+    return math.exp(-torch.log_softmax(logits[:-1], dim=-1).gather(1, target).mean().item())
+
+
 def compare(ref_logits: torch.Tensor, logits: torch.Tensor, token_ids: list[int]) -> tuple[float, float]:
     """(perplexity rise of token_ids under logits over ref_logits, share of positions with the same argmax)."""
-    target = torch.tensor(token_ids[1:]).unsqueeze(1)
-
-    def ppl(lg: torch.Tensor) -> float:
-        return math.exp(-torch.log_softmax(lg[:-1], dim=-1).gather(1, target).mean().item())
-
     agreement = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    return ppl(logits) / ppl(ref_logits) - 1, agreement
+    return perplexity(logits, token_ids) / perplexity(ref_logits, token_ids) - 1, agreement
 
 
 def _cache_path() -> Path:
