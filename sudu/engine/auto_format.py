@@ -122,30 +122,27 @@ def quantize_auto(ckpt, model: torch.nn.Module, reload: Callable[[], torch.nn.Mo
     """The float network `model` quantized as `auto` decides (see the module docstring). reload() gives a
     fresh float network (the fallback needs one: quantization replaces layers in place). Returns (network,
     format name)."""
-    head = {"lm_head": linear.AUTO_HEAD_FORMAT}
+    def quantize(net: torch.nn.Module, fmt: str) -> tuple[torch.nn.Module, str]:
+        head = {"lm_head": linear.AUTO_HEAD_FORMAT} if fmt == linear.AUTO_FORMAT else None
+        return linear.quantize_model(net, ckpt, fmt, overrides=head), fmt
+
     key = _cache_key(ckpt)
     cached = _read_cache().get(key) if key else None
     if cached is not None and cached.get("format") in (linear.AUTO_FORMAT, FALLBACK_FORMAT):
-        fmt = cached["format"]
-        linear.quantize_model(model, ckpt, fmt, overrides=head if fmt == linear.AUTO_FORMAT else None)
-        return model, fmt
+        return quantize(model, cached["format"])
     ids = calibration_ids(ckpt.tokenizer, ckpt.config)
     if len(ids) < 2:  # nothing to measure with (a vocabulary without these texts' tokens): keep the format
         log.warning("auto: no calibration text for this tokenizer; %s unchecked", linear.AUTO_FORMAT)
-        linear.quantize_model(model, ckpt, linear.AUTO_FORMAT, overrides=head)
-        return model, linear.AUTO_FORMAT
+        return quantize(model, linear.AUTO_FORMAT)
     log.info("auto: checking %s (%s head) against float on %d tokens (once per checkpoint)", linear.AUTO_FORMAT,
              linear.AUTO_HEAD_FORMAT, len(ids))
     ref = text_logits(model, ids)
-    linear.quantize_model(model, ckpt, linear.AUTO_FORMAT, overrides=head)
+    model, fmt = quantize(model, linear.AUTO_FORMAT)
     rise, agreement = compare(ref, text_logits(model, ids), ids)
-    fmt = linear.AUTO_FORMAT
     if rise > AUTO_MAX_PPL_RISE:
         log.warning("auto: %s would raise this model's perplexity by %.1f%% (argmax agreement %.1f%%); using %s",
                     linear.AUTO_FORMAT, 100 * rise, 100 * agreement, FALLBACK_FORMAT)
-        model = reload()
-        linear.quantize_model(model, ckpt, FALLBACK_FORMAT)
-        fmt = FALLBACK_FORMAT
+        model, fmt = quantize(reload(), FALLBACK_FORMAT)
     else:
         log.info("auto: %s holds (perplexity %+.2f%%, argmax agreement %.1f%%)", fmt, 100 * rise, 100 * agreement)
     if key:
