@@ -21,7 +21,6 @@ from sudu.engine.scheduler import Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
 from sudu.engine.speculative import SpecController, build_drafter, draft_len, verify_draft
-from sudu.layers.kv_cache import calibration_ids
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
 
@@ -58,8 +57,7 @@ class LLMEngine:
         model, self.quantization = prepare_network(ckpt, config)
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
-        self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len,
-                                  calibration_ids(self.tokenizer, ckpt.config))
+        self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           sliding=self.runner.sliding_blocks)
         if self.runner.sliding_blocks is not None and config.enable_prefix_caching:

@@ -14,7 +14,8 @@ from sudu.engine.auto_format import forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
-from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder, layer_kv_bytes_per_token
+from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder, calibration_ids
+from sudu.layers.kv_cache import layer_kv_bytes_per_token
 from sudu.layers.kv_cache import make_kv_cache
 from sudu.models import build_model
 from sudu.models.config import ModelConfig
@@ -105,8 +106,8 @@ def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, max_model_len: int,
-                 kv_calibration_ids: list[int] | None = None):
-        """kv_calibration_ids: the tokens of the calibration pass that sets int8 KV scales (required with
+                 tokenizer=None):
+        """tokenizer: the checkpoint's, for the calibration pass that sets int8 KV scales (required with
         kv_cache_dtype int8; layers/kv_cache.py calibration_ids)."""
         self.config = config
         self.model_cfg = model_cfg
@@ -141,8 +142,9 @@ class ModelRunner:
             self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, blocks * self.block_size,
                                                 model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype))
         if config.kv_cache_dtype == "int8":
-            log.info("calibrating the int8 KV scales on %d tokens", len(kv_calibration_ids or []))
-            calibrate_int8_kv(model, self.kv_caches, kv_calibration_ids or [])
+            ids = calibration_ids(tokenizer, model_cfg) if tokenizer is not None else []
+            log.info("calibrating the int8 KV scales on %d tokens", len(ids))
+            calibrate_int8_kv(model, self.kv_caches, ids)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one more token of context costs a sequence (every layer keeping every position)."""

@@ -31,7 +31,6 @@ from sudu.engine.block_manager import BlockManager
 from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
-from sudu.layers.kv_cache import calibration_ids
 from sudu.layers.sampler import SamplingRow, apply_penalties, argmax_rows, filter_logits
 
 
@@ -186,7 +185,7 @@ class DraftModelDrafter:
         # room to shadow every token the target's pool can hold, plus the drafts in flight
         pool_bytes = (target_pool_tokens + 64 * engine_config.block_size) * kv_bytes_per_token(ckpt.config, dtype, engine_config.kv_cache_dtype)
         cfg = dataclasses.replace(engine_config, model=model, kv_cache_memory=pool_bytes)
-        self.runner = ModelRunner(cfg, ckpt.config, net, max_len, calibration_ids(ckpt.tokenizer, ckpt.config))
+        self.runner = ModelRunner(cfg, ckpt.config, net, max_len, ckpt.tokenizer)
         # prefix caching for the prompts only (prefill commits them; drafts are never committed)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size,
                                           enable_prefix_caching=engine_config.enable_prefix_caching,
