@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from sudu.bench.local_server import free_port
 from sudu.config import EngineConfig
 from sudu.server.app import build_app
 from tests.test_server_fake_engine import LiveServer, assert_openai_error
@@ -263,11 +264,7 @@ def test_health_and_sse_framing(live):
 
 
 def test_sudu_serve_cli_loads_in_background_and_stops_on_sigterm(tiny_model_dirs):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, SUDU_API_KEY="k", PYTHONPATH=os.getcwd())
     proc = subprocess.Popen(
         [sys.executable, "-m", "sudu.cli", "serve", str(tiny_model_dirs["qwen2"]), "--port", str(port),
@@ -304,11 +301,7 @@ def test_sudu_serve_stopped_while_loading_exits_cleanly(tiny_model_dirs):
     """SIGTERM before the model has loaded: exit 0 with a one-line message, at once (not after the load,
     and not with the abort PyTorch's C++ teardown gives when the interpreter exits under a loading thread).
     The load is held back by a sleep so the signal surely lands during it."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = (
         "import sys, time\n"
         "import sudu.engine.async_engine as a\n"
