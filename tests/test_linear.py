@@ -210,3 +210,18 @@ def test_bfloat16_dequantization_rounds_like_pytorch(fmt):
     round-to-nearest-even values either way."""
     _, _, layer = make_layer(fmt, n=50)
     assert torch.equal(layer.dequantized_weight(torch.bfloat16), layer.dequantized_weight().to(torch.bfloat16))
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+    """torch's build lock is a plain file; a process killed mid-build (e.g. `sudu serve` stopped while it
+    compiles) leaves it behind, and torch then waits for it forever. A fresh interpreter must still load
+    the (cached) extension, and clear the stale file."""
+    stale = kernels.build_dir() / "lock"
+    stale.touch()
+    try:
+        code = "from sudu import kernels; assert kernels.load() is not None"
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)

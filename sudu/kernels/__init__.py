@@ -10,6 +10,8 @@ process pays the ~30-60 s compile.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -79,21 +81,41 @@ def _compile():
 
         path = build_dir()
         path.mkdir(parents=True, exist_ok=True)
-        if not any(path.glob("*.so")):
-            # a long operation: say so (once per machine; later processes load the cached build)
-            print(f"sudu: compiling the native kernels into {path} (once, ~30-60 s)...", flush=True)
-        return load_extension(
-            name="sudu_kernels",
-            sources=[str(p) for p in _SOURCES],
-            # No -march=native: the cached build must run on any AVX2 machine that shares $SUDU_HOME.
-            # the headers' hash as a define: torch rebuilds when sources or flags change, not headers
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSUDU_HEADERS_SHA={_headers_sha()}"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(path),
-            verbose=False,
-        )
+        with _build_lock(path):
+            if not any(path.glob("*.so")):
+                # a long operation: say so (once per machine; later processes load the cached build)
+                print(f"sudu: compiling the native kernels into {path} (once, ~30-60 s)...", flush=True)
+            return load_extension(
+                name="sudu_kernels",
+                sources=[str(p) for p in _SOURCES],
+                # No -march=native: the cached build must run on any AVX2 machine that shares $SUDU_HOME.
+                # the headers' hash as a define: torch rebuilds when sources or flags change, not headers
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSUDU_HEADERS_SHA={_headers_sha()}"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(path),
+                verbose=False,
+            )
     except Exception as exc:  # any compiler/linker failure: fall back, say so once
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         warnings.warn(f"sudu: native quantized kernels unavailable, using PyTorch kernels ({first_line[:200]})",
                       stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """Every sudu process loads or builds the extension holding an flock on the build directory, which the
+    OS releases when a process dies however it dies. torch's own lock is a plain file that a process killed
+    mid-build leaves behind (say `sudu serve` stopped while it compiles), after which every later load waits
+    for it forever; under the flock any such file is stale, so it is removed."""
+    with open(path / ".sudu-build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = path / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock left by an interrupted build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
