@@ -40,10 +40,15 @@ def round_activations_q8(x):
     return (torch.round(blocks * inv) * d).reshape(x.shape)
 
 
+def dequantized(layer):
+    """The layer's weights through the reference dequantization of its row layout."""
+    return L.dequantize_torch(layer.fmt, *layer.row_layout())
+
+
 def reference(layer, x):
     """float32 product with the layer's dequantized weights; through the native kernel the activations
     are first rounded to int8 blocks (quant_linear.cpp), so the reference rounds them the same way."""
-    w = L.dequantize_torch(layer.fmt, layer.qweight, layer.scales, layer.mins, layer.group_size)
+    w = dequantized(layer)
     if layer._ext is not None and x.shape[0] < L.PREFILL_MIN_ROWS:
         x = round_activations_q8(x)
     elif layer._ext is not None and L.PREFILL_DTYPE != torch.float32:  # prefill GEMM in bfloat16
@@ -55,8 +60,9 @@ def reference(layer, x):
 @pytest.mark.parametrize("fmt", L.FORMATS)
 def test_quantization_error_is_bounded_by_the_grid(fmt):
     w, _, layer = make_layer(fmt)
-    deq = L.dequantize_torch(fmt, layer.qweight, layer.scales, layer.mins, layer.group_size)
-    step = layer.scales.float().repeat_interleave(layer.group_size, dim=1)
+    deq = dequantized(layer)
+    _, scales, _, group = layer.row_layout()
+    step = scales.float().repeat_interleave(group, dim=1)
     # round-to-nearest: at most half a step, plus float16 rounding of the scale (and min) themselves
     assert ((deq - w).abs() <= 0.5 * step + 2e-3 * w.abs().amax()).all()
     assert (deq[3, 40:72] == 0).all() or fmt == "int4"
@@ -113,8 +119,34 @@ def test_dequantized_slices_match_one_shot(monkeypatch):
     _, _, layer = make_layer("int4", n=50)
     x = torch.randn(L.PREFILL_MIN_ROWS + 5, 160)
     whole = layer(x)
-    monkeypatch.setattr(L, "DEQUANT_SLICE_BYTES", 160 * 4 * 7)  # slices of 7 output channels
+    monkeypatch.setattr(L, "DEQUANT_SLICE_BYTES", 160 * 4 * 7)  # slices of one 16-row tile (the least), a short last one
     torch.testing.assert_close(layer(x), whole, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("n,group_size", [(16, 32), (37, 64)])
+def test_int4_tiles_hold_the_row_layout_exactly(n, group_size):
+    """pack_int4 (the kernel's 16-row tiles, per-32 scales) and unpack_int4 lose nothing; padding rows are zero."""
+    w = torch.randn(n, 192, generator=torch.Generator().manual_seed(2))
+    q, s, m = L.quantize_int4(w, group_size)
+    tiles = L.pack_int4(q, s, m, group_size)
+    assert tiles.shape == (-(-n // 16), 192 // 32, L.TILE_BLOCK_BYTES) and tiles.dtype == torch.uint8
+    q2, s2, m2 = L.unpack_int4(tiles, n)
+    assert torch.equal(L.dequantize_torch("int4", q2, s2, m2, 32), L.dequantize_torch("int4", q, s, m, group_size))
+    padding = L.unpack_int4(tiles, tiles.shape[0] * 16)
+    assert all(not t[n:].any() for t in padding)
+
+
+def test_fused_int4_layers_compute_what_the_parts_do():
+    """Whole tiles are concatenated as they are; a part ending mid-tile goes through the row layout."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [L.QuantizedLinear.from_float("int4", torch.randn(n, 96, generator=gen), torch.randn(n, generator=gen))
+             for n in (32, 16, 37)]
+    x = torch.randn(3, 96, generator=gen)
+    for group in (parts[:2], parts):
+        fused = L.fuse_linears(group)
+        assert fused.out_features == sum(p.out_features for p in group)
+        assert torch.equal(fused(x), torch.cat([p(x) for p in group], dim=1))
+    assert torch.equal(L.fuse_linears(parts[:2]).qweight, torch.cat([parts[0].qweight, parts[1].qweight]))
 
 
 def test_bfloat16_activations_come_back_in_bfloat16():
@@ -144,7 +176,7 @@ def test_fallback_without_extension_matches_the_float_reference():
         got = torch.tensor(eval(line.split(" ", 1)[1]))
         assert line.startswith(fmt)
         layer = L.QuantizedLinear.from_float(fmt, w)
-        deq = L.dequantize_torch(fmt, layer.qweight, layer.scales, layer.mins, layer.group_size)
+        deq = dequantized(layer)
         torch.testing.assert_close(got, F.linear(x, deq).sum(dim=1), atol=ATOL, rtol=0)
 
 

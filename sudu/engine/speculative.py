@@ -149,10 +149,7 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
     from sudu.layers.linear import QuantizedLinear
 
     if isinstance(head, QuantizedLinear):
-        mins = head.mins[rows] if head.fmt == "int4" else None
-        bias = head.bias[rows] if head.bias is not None else None
-        return QuantizedLinear(head.fmt, head.qweight[rows], head.scales[rows], mins, bias, head.in_features,
-                               head.group_size)
+        return head.select_rows(rows)
     new = torch.nn.Linear(head.in_features, rows.numel(), bias=head.bias is not None, dtype=head.weight.dtype)
     with torch.no_grad():
         new.weight.copy_(head.weight[rows])

@@ -95,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o, gate_up, down = getattr(attn, "qkv_proj", None), attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-            if (not all(isinstance(p, linear.QuantizedLinear) and p.group_size == 32 for p in (qkv, o, gate_up, down))
+            if (not all(isinstance(p, linear.QuantizedLinear) and p.fits_native_stack() for p in (qkv, o, gate_up, down))
                     or mlp._silu_mul is None or attn.head_dim % 8):
                 return
             # the order decoder.cpp reads: 18 tensors per layer
