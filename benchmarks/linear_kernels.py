@@ -51,7 +51,7 @@ def candidates(n: int, k: int, by_isa: bool = False):
             def run(x, isa=isa):
                 ext.set_isa(isa)
                 try:
-                    return ext.qlinear(x, sudu4.qweight, sudu4.scales, sudu4.mins, sudu4.group_size, None)
+                    return ext.qlinear(x, sudu4.qweight, None)
                 finally:
                     ext.set_isa("native")
             name = f"sudu int4 {isa}"

@@ -66,7 +66,8 @@ def test_quantization_error_is_bounded_by_the_grid(fmt):
     # round-to-nearest: at most half a step, plus float16 rounding of the scale (and min) themselves
     assert ((deq - w).abs() <= 0.5 * step + 2e-3 * w.abs().amax()).all()
     assert (deq[3, 40:72] == 0).all() or fmt == "int4"
-    assert layer.weight_bytes() < w.numel() * (1.1 if fmt == "int8" else 0.7)
+    padded = -(-w.shape[0] // 16) * 16 * w.shape[1]  # whole tiles of 16 rows
+    assert layer.weight_bytes() == padded * (1.0625 if fmt == "int8" else 0.625)
 
 
 @pytest.mark.parametrize("fmt", L.FORMATS)
@@ -123,23 +124,26 @@ def test_dequantized_slices_match_one_shot(monkeypatch):
     torch.testing.assert_close(layer(x), whole, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("fmt", L.FORMATS)
 @pytest.mark.parametrize("n,group_size", [(16, 32), (37, 64)])
-def test_int4_tiles_hold_the_row_layout_exactly(n, group_size):
-    """pack_int4 (the kernel's 16-row tiles, per-32 scales) and unpack_int4 lose nothing; padding rows are zero."""
+def test_tiles_hold_the_row_layout_exactly(fmt, n, group_size):
+    """pack (the kernel's 16-row tiles, per-32 scales) and unpack lose nothing; padding rows are zero."""
     w = torch.randn(n, 192, generator=torch.Generator().manual_seed(2))
-    q, s, m = L.quantize_int4(w, group_size)
-    tiles = L.pack_int4(q, s, m, group_size)
-    assert tiles.shape == (-(-n // 16), 192 // 32, L.TILE_BLOCK_BYTES) and tiles.dtype == torch.uint8
-    q2, s2, m2 = L.unpack_int4(tiles, n)
-    assert torch.equal(L.dequantize_torch("int4", q2, s2, m2, 32), L.dequantize_torch("int4", q, s, m, group_size))
-    padding = L.unpack_int4(tiles, tiles.shape[0] * 16)
-    assert all(not t[n:].any() for t in padding)
+    q, s, *m = (L.quantize_int4 if fmt == "int4" else L.quantize_int8)(w, group_size)
+    m = m[0] if m else None
+    tiles = L.pack(fmt, q, s, m, group_size)
+    assert tiles.shape == (-(-n // 16), 192 // 32, L.TILE_BLOCK_BYTES[fmt]) and tiles.dtype == torch.uint8
+    q2, s2, m2 = L.unpack(fmt, tiles, n)
+    assert torch.equal(L.dequantize_torch(fmt, q2, s2, m2, 32), L.dequantize_torch(fmt, q, s, m, group_size))
+    padding = L.unpack(fmt, tiles, tiles.shape[0] * 16)
+    assert all(not t[n:].any() for t in padding if t is not None)
 
 
-def test_fused_int4_layers_compute_what_the_parts_do():
+@pytest.mark.parametrize("fmt", L.FORMATS)
+def test_fused_layers_compute_what_the_parts_do(fmt):
     """Whole tiles are concatenated as they are; a part ending mid-tile goes through the row layout."""
     gen = torch.Generator().manual_seed(3)
-    parts = [L.QuantizedLinear.from_float("int4", torch.randn(n, 96, generator=gen), torch.randn(n, generator=gen))
+    parts = [L.QuantizedLinear.from_float(fmt, torch.randn(n, 96, generator=gen), torch.randn(n, generator=gen))
              for n in (32, 16, 37)]
     x = torch.randn(3, 96, generator=gen)
     for group in (parts[:2], parts):

@@ -4,9 +4,9 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias");
-  m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [N, K]", py::arg("q"), py::arg("s"),
-        py::arg("mn"), py::arg("group_size"), py::arg("bf16") = false);
+  m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias, W as packed tiles");
+  m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [16 * tiles, K]", py::arg("q"),
+        py::arg("bf16") = false);
   m.def("isa", &isa, "the dot-product instruction set qlinear uses");
   m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out");

@@ -11,12 +11,11 @@
 
 namespace {
 
-constexpr size_t PER_LAYER = 18;  // the weights of one layer, in the order of llama_decode's comment
+constexpr size_t PER_LAYER = 10;  // the weights of one layer, in the order of llama_decode's comment
 
 torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at) {
-  const torch::Tensor& bias = w[at + 3];
-  return qlinear(x, w[at], w[at + 1], w[at + 2], 32, bias.defined() && bias.numel() ? c10::optional<torch::Tensor>(bias)
-                                                                                      : c10::nullopt);
+  const torch::Tensor& bias = w[at + 1];
+  return qlinear(x, w[at], bias.defined() && bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
 }
 
 // The new tokens' K or V (x: [T, Hkv, D], unit stride within a head) into the pool's slots: copied into a
@@ -49,9 +48,9 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
 
 }  // namespace
 
-// x: [T, hidden] embeddings of the step's tokens. weights: per layer, 18 tensors: the input norm's weight;
-// qkv q, scales, mins, bias; o q, scales, mins, bias; the post-attention norm's weight; gate_up q, scales,
-// mins, bias; down q, scales, mins, bias (absent mins and biases as empty tensors; models/llama.py).
+// x: [T, hidden] embeddings of the step's tokens. weights: per layer, 10 tensors: the input norm's weight;
+// qkv tiles, bias; o tiles, bias; the post-attention norm's weight; gate_up tiles, bias; down tiles, bias
+// (absent biases as empty tensors; each layer's outputs whole tiles; models/llama.py).
 // k_caches / v_caches: each layer's pool, float32 or int8; k_scales / v_scales: an int8 pool's float32 [Hkv, D]
 // scales (empty tensors for float32 pools); slot_mapping, rows, slots, mask: the step's
 // AttentionView (decode batch). Returns the final norm of the residual stream [T, hidden].
@@ -81,9 +80,9 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     auto att = torch::empty({T, heads, head_dim}, x.options());
     decode_attention(qkv.narrow(1, 0, heads), k_caches[l], v_caches[l], k_scales[l], v_scales[l], rows, slots, mask,
                      scale, att);
-    auto o = linear(att.view({T, heads * head_dim}), weights, at + 5);
-    std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 9], eps);
-    x = linear(silu_mul(linear(h, weights, at + 10)), weights, at + 14);
+    auto o = linear(att.view({T, heads * head_dim}), weights, at + 3);
+    std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 5], eps);
+    x = linear(silu_mul(linear(h, weights, at + 6)), weights, at + 8);
   }
   return std::get<1>(add_rms_norm(residual, x, final_norm, eps));
 }

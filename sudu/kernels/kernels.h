@@ -7,9 +7,8 @@
 #include <tuple>
 #include <vector>
 
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size,
-                      c10::optional<torch::Tensor> bias);
-torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, torch::Tensor mn, int64_t group_size, bool bf16);
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
+torch::Tensor dequantize(torch::Tensor q, bool bf16);
 std::string isa();
 std::string set_isa(const std::string& name);
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,

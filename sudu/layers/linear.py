@@ -7,7 +7,7 @@ Formats (accumulation in float32; see the dispatch below for the activations):
         exactly (they are copied, not requantized) and keeps requantized Q5_0/Q6_K weights within a few
         percent of their own grid step.
   int4: asymmetric, float16 scale and min per group of 32: w = s * q + m, q in [0, 15]. 0.625 bytes
-        per weight. Stored as the kernel reads it: rows in tiles of 16 (pack_int4), so that one vector
+        per weight. Stored as the kernel reads it: rows in tiles of 16 (pack), so that one vector
         operation covers one block of 16 rows.
 
 Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py for the figures):
@@ -91,47 +91,65 @@ def dequantize_torch(fmt: str, qweight, scales, mins, group_size: int) -> torch.
     return (q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)).reshape(n, -1)
 
 
-# int4 weights as the kernel reads them: rows in tiles of TILE_ROWS (the last zero-padded), per tile and
-# 32-block 256 code bytes (4 chunks of 64: lane l, bytes 4l..4l+3, holds row l's columns 8c..8c+3 in its low
-# nibbles and 8c+4..8c+7 in its high ones) then the 16 float16 scales and 16 float16 mins: 320 bytes. See
-# kernels/quant_linear.cpp for why.
-TILE_ROWS, TILE_BLOCK_BYTES = 16, 320
+# Weights as the kernel reads them (kernels/quant_linear.cpp explains the layouts): rows in tiles of
+# TILE_ROWS, the last zero-padded.
+#   int4, per tile and 32-block, 320 bytes: 256 code bytes (4 chunks of 64: lane l, bytes 4l..4l+3, holds
+#         row l's columns 8c..8c+3 in its low nibbles and 8c+4..8c+7 in its high ones), then the 16
+#         float16 scales and the 16 float16 mins.
+#   int8, per tile: every block's 512 code bytes (8 chunks of 64: lane l = row l's columns 4c..4c+3, as
+#         q + 128), then every block's 16 float16 scales; viewed as [tiles, blocks, 544].
+TILE_ROWS, TILE_BLOCK_BYTES = 16, {"int4": 320, "int8": 544}
 
 
-def pack_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The row layout (quantize_int4: [N, K / 2], scales and mins [N, K / group_size]) -> the kernel's tiles
-    uint8 [ceil(N / 16), K / 32, 320]."""
-    n, k = qweight.shape[0], qweight.shape[1] * 2
-    nb, tiles = k // 32, -(-n // TILE_ROWS)
+def _tiled(v: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[tiles * 16, blocks, ...] -> [tiles, blocks, 16, ...]"""
+    return v.reshape(tiles, TILE_ROWS, *v.shape[1:]).transpose(1, 2)
+
+
+def _untiled(v: torch.Tensor) -> torch.Tensor:
+    """_tiled's inverse."""
+    return v.transpose(1, 2).reshape(v.shape[0] * TILE_ROWS, v.shape[1], *v.shape[3:])
+
+
+def pack(fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+         group_size: int) -> torch.Tensor:
+    """The row layout (quantize_int8 / quantize_int4: codes, scales and mins [N, K / group_size]) -> the
+    kernel's tiles uint8 [ceil(N / 16), K / 32, TILE_BLOCK_BYTES[fmt]]."""
+    n = qweight.shape[0]
+    if fmt == "int4":
+        halves = qweight.reshape(n, -1, 1, 16)
+        codes = torch.cat([halves & 0x0F, halves >> 4], dim=2).reshape(n, -1, 32)  # column order in a block
+    else:
+        codes = (qweight.view(torch.uint8) ^ 0x80).reshape(n, -1, 32)  # q + 128
+    nb, tiles = codes.shape[1], -(-n // TILE_ROWS)
     pad = tiles * TILE_ROWS - n
-    halves = qweight.reshape(n, nb, 1, 16)
-    codes = torch.cat([halves & 0x0F, halves >> 4], dim=2).reshape(n, nb, 32)  # column order within a block
-    s = scales.repeat_interleave(group_size // 32, dim=1)
-    m = mins.repeat_interleave(group_size // 32, dim=1)
-    if pad:
-        codes = F.pad(codes, (0, 0, 0, 0, 0, pad))
-        s, m = F.pad(s, (0, 0, 0, pad)), F.pad(m, (0, 0, 0, pad))
-    c = codes.reshape(tiles, TILE_ROWS, nb, 4, 2, 4)  # tile, lane, block, chunk, nibble, byte
-    code_bytes = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 256)
-
-    def per_tile(v: torch.Tensor) -> torch.Tensor:
-        return v.reshape(tiles, TILE_ROWS, nb).transpose(1, 2).contiguous().view(torch.uint8)
-
-    return torch.cat([code_bytes, per_tile(s), per_tile(m)], dim=2).contiguous()
+    per_block = [v.repeat_interleave(group_size // 32, dim=1) for v in (scales, mins) if v is not None]
+    codes = F.pad(codes, (0, 0, 0, 0, 0, pad), value=0 if fmt == "int4" else 0x80)  # padding rows: q = 0
+    halves16 = [_tiled(F.pad(v, (0, 0, 0, pad)), tiles).contiguous().view(torch.uint8) for v in per_block]
+    if fmt == "int4":
+        c = _tiled(codes, tiles).reshape(tiles, nb, TILE_ROWS, 4, 2, 4)  # tile, block, lane, chunk, nibble, byte
+        code_bytes = (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(2, 3).reshape(tiles, nb, 256)
+        return torch.cat([code_bytes, *halves16], dim=2).contiguous()
+    c = _tiled(codes, tiles).reshape(tiles, nb, TILE_ROWS, 8, 4).transpose(2, 3).reshape(tiles, nb * 512)
+    return torch.cat([c, halves16[0].reshape(tiles, nb * 32)], dim=1).reshape(tiles, nb, 544).contiguous()
 
 
-def unpack_int4(tiles: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_int4's inverse for its first n rows, with scales and mins per 32 columns: (qweight [n, K / 2],
-    scales, mins [n, K / 32])."""
+def unpack(fmt: str, tiles: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """pack's inverse for the first n rows, with scales (and mins) per 32 columns: (qweight, scales, mins)."""
     t, nb = tiles.shape[0], tiles.shape[1]
-    b = tiles[:, :, :256].reshape(t, nb, 4, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)  # tile, lane, block, chunk, byte
-    codes = torch.stack([b & 0x0F, b >> 4], dim=4).reshape(t * TILE_ROWS, nb, 32)[:n]
-    qweight = (codes[:, :, :16] | (codes[:, :, 16:] << 4)).reshape(n, nb * 16).contiguous()
 
-    def per_row(v: torch.Tensor) -> torch.Tensor:
-        return v.contiguous().view(torch.float16).transpose(1, 2).reshape(t * TILE_ROWS, nb)[:n].contiguous()
+    def halves(v: torch.Tensor) -> torch.Tensor:  # [t, nb, 32] bytes -> [n, nb] float16
+        return _untiled(v.contiguous().view(torch.float16))[:n].contiguous()
 
-    return qweight, per_row(tiles[:, :, 256:288]), per_row(tiles[:, :, 288:])
+    if fmt == "int4":
+        b = tiles[:, :, :256].reshape(t, nb, 4, TILE_ROWS, 4).transpose(2, 3)  # tile, block, lane, chunk, byte
+        codes = _untiled(torch.stack([b & 0x0F, b >> 4], dim=4).reshape(t, nb, TILE_ROWS, 32))[:n]
+        qweight = (codes[:, :, :16] | (codes[:, :, 16:] << 4)).reshape(n, nb * 16).contiguous()
+        return qweight, halves(tiles[:, :, 256:288]), halves(tiles[:, :, 288:])
+    flat = tiles.reshape(t, nb * 544)
+    c = flat[:, :nb * 512].reshape(t, nb, 8, TILE_ROWS, 4).transpose(2, 3).reshape(t, nb, TILE_ROWS, 32)
+    qweight = (_untiled(c)[:n] ^ 0x80).reshape(n, nb * 32).contiguous().view(torch.int8)
+    return qweight, halves(flat[:, nb * 512:].reshape(t, nb, 32)), None
 
 
 def q8_0_blocks(qt) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +166,9 @@ def q8_0_blocks(qt) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantizedLinear(nn.Module):
     """y = x @ dequant(W)^T + b with W stored as int8 or int4 (module docstring); x of any float dtype.
 
-    Built from the row layout (quantize_int8 / quantize_int4 output). int8 keeps it (`qweight` [N, K],
-    `scales`); int4 stores only the kernel's tiles (pack_int4) in `qweight` [tiles, K / 32, 320], with
-    `scales` and `mins` empty: `row_layout()` gives the rows back."""
+    Built from the row layout (quantize_int8 / quantize_int4 output: codes, scales, mins) or, from
+    fuse_linears, from tiles. Stores only the kernel's tiles (pack) in `qweight`; `row_layout()` gives the
+    rows back."""
 
     def __init__(self, fmt: str, qweight, scales, mins, bias, in_features: int, group_size: int = GROUP_SIZE,
                  out_features: int | None = None):
@@ -160,17 +178,12 @@ class QuantizedLinear(nn.Module):
         self.fmt = fmt
         self.in_features = in_features
         self.group_size = group_size
-        empty = torch.empty(0, dtype=torch.float16)
-        if fmt == "int4" and qweight.dim() == 2:  # the row layout: pack it
+        if qweight.dim() == 2:  # the row layout
             self.out_features = qweight.shape[0]
-            qweight, scales, mins = pack_int4(qweight, scales, mins, group_size), empty, empty
-        elif fmt == "int4":  # tiles already (fuse_linears)
-            self.out_features, scales, mins = out_features, empty, empty
+            qweight = pack(fmt, qweight, scales, mins, group_size)
         else:
-            self.out_features = qweight.shape[0]
+            self.out_features = out_features
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("mins", mins.contiguous() if mins is not None else empty)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._ext = kernels.load()
 
@@ -185,10 +198,8 @@ class QuantizedLinear(nn.Module):
         return cls(fmt, q, s, mins, bias, weight.shape[1], group_size)
 
     def row_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-        """(qweight, scales, mins, group size) in the row layout dequantize_torch takes (int4: per-32 groups)."""
-        if self.fmt == "int8":
-            return self.qweight, self.scales, None, self.group_size
-        return (*unpack_int4(self.qweight, self.out_features), 32)
+        """(qweight, scales, mins, group size) in the row layout dequantize_torch takes (groups of 32)."""
+        return (*unpack(self.fmt, self.qweight, self.out_features), 32)
 
     def select_rows(self, rows: torch.Tensor) -> "QuantizedLinear":
         """A layer computing only the given output rows (a draft model's reduced head)."""
@@ -198,12 +209,12 @@ class QuantizedLinear(nn.Module):
                                self.in_features, g)
 
     def fits_native_stack(self) -> bool:
-        """Whether kernels/decoder.cpp can call this layer as it is: it passes group size 32 and uses the
-        kernel's output as is (int4: 16 * tiles columns)."""
-        return self.out_features % TILE_ROWS == 0 if self.fmt == "int4" else self.group_size == 32
+        """Whether kernels/decoder.cpp can call this layer as it is: it uses the kernel's output (16 * tiles
+        columns) as is."""
+        return self.out_features % TILE_ROWS == 0
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+        return self.qweight.numel()
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._slice_dequantized(0, self.out_features, dtype)
@@ -211,8 +222,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:  # the engine's case: no reshapes, no casts
             if self._ext is not None and x.shape[0] < PREFILL_MIN_ROWS:
-                y = self._ext.qlinear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
-                # int4: [M, 16 * tiles], padding rows included
+                y = self._ext.qlinear(x, self.qweight, self.bias)  # [M, 16 * tiles], padding rows included
                 return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
             return self._dequantized_gemm(x)
         shape = x.shape
@@ -234,19 +244,13 @@ class QuantizedLinear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
     def _slice_dequantized(self, n0: int, n1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows n0..n1 (int4: n0 a multiple of 16) dequantized."""
-        native = self._ext is not None and dtype in (torch.float32, torch.bfloat16)
-        if self.fmt == "int8":
-            q, s = self.qweight[n0:n1], self.scales[n0:n1]
-            if native:
-                return self._ext.dequantize(q, s, self.mins, self.group_size, dtype == torch.bfloat16)
-            return dequantize_torch("int8", q, s, None, self.group_size).to(dtype)
+        """Rows n0..n1 (n0 a multiple of 16) dequantized."""
         tiles = self.qweight[n0 // TILE_ROWS:-(-n1 // TILE_ROWS)]
-        if native:
-            w = self._ext.dequantize(tiles, self.scales, self.mins, 32, dtype == torch.bfloat16)
+        if self._ext is not None and dtype in (torch.float32, torch.bfloat16):
+            w = self._ext.dequantize(tiles, dtype == torch.bfloat16)
             return w[:n1 - n0] if w.shape[0] != n1 - n0 else w
-        q, s, m = unpack_int4(tiles, n1 - n0)
-        return dequantize_torch("int4", q, s, m, 32).to(dtype)
+        q, s, m = unpack(self.fmt, tiles, n1 - n0)
+        return dequantize_torch(self.fmt, q, s, m, 32).to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
@@ -277,8 +281,8 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
         if any(m.bias is not None for m in layers):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
         n = sum(m.out_features for m in layers)
-        if first.fmt == "int4" and all(m.out_features % TILE_ROWS == 0 for m in layers):  # whole tiles
-            return QuantizedLinear("int4", torch.cat([m.qweight for m in layers]), None, None, bias,
+        if all(m.out_features % TILE_ROWS == 0 for m in layers):  # whole tiles
+            return QuantizedLinear(first.fmt, torch.cat([m.qweight for m in layers]), None, None, bias,
                                    first.in_features, first.group_size, out_features=n)
         parts = [m.row_layout() for m in layers]
         mins = torch.cat([p[2] for p in parts]) if first.fmt == "int4" else None

@@ -89,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         empty = torch.empty(0)
 
         def quantized(p) -> list[torch.Tensor]:
-            return [p.qweight, p.scales, p.mins, p.bias if p.bias is not None else empty]
+            return [p.qweight, p.bias if p.bias is not None else empty]
 
         weights = []
         for layer in self.model.layers:
@@ -98,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
             if (not all(isinstance(p, linear.QuantizedLinear) and p.fits_native_stack() for p in (qkv, o, gate_up, down))
                     or mlp._silu_mul is None or attn.head_dim % 8):
                 return
-            # the order decoder.cpp reads: 18 tensors per layer
+            # the order decoder.cpp reads: 10 tensors per layer
             weights += [layer.input_layernorm.weight, *quantized(qkv), *quantized(o),
                         layer.post_attention_layernorm.weight, *quantized(gate_up), *quantized(down)]
         self._native_decode = (ext.llama_decode, weights)
