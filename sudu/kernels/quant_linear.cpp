@@ -172,7 +172,11 @@ SUDU_VNNI void dot_q8_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a,
   if (count > 1) prefetch_start(p);
   for (int64_t r = 0; r < count; ++r) {
     const uint8_t* tp[W];
-    for (int j = 0; j < W; ++j) tp[j] = p + (r * W + j) * tile_bytes;
+    for (int j = 0; j < W; ++j) {
+      tp[j] = p + (r * W + j) * tile_bytes;
+      // the scales follow the tile's codes: requested at the tile's start, one line per 2 blocks
+      for (int64_t o = nb * Q8_CODE_BYTES; o < tile_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(tp[j] + o), _MM_HINT_T0);
+    }
     __m512 acc[R][W];
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < W; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -182,18 +186,28 @@ SUDU_VNNI void dot_q8_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a,
         const __m512i start = _mm512_set1_epi32(-128 * a.isum[i * nb + b]);
         for (int j = 0; j < W; ++j) S[i][j] = start;
       }
-      for (int c = 0; c < 8; ++c) {
-        __m512i qv[W];
+      __m512i S2[R][W];  // odd chunks: two dependency chains of 4 instead of one of 8
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < W; ++j) S2[i][j] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        __m512i qv[W], qv2[W];
         for (int j = 0; j < W; ++j) {
           const uint8_t* at = tp[j] + b * Q8_CODE_BYTES + 64 * c;
           _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(at + 64 + PREFETCH_BYTES), _MM_HINT_T0);
           qv[j] = _mm512_loadu_si512(at);
+          qv2[j] = _mm512_loadu_si512(at + 64);
         }
         for (int i = 0; i < R; ++i) {
-          const __m512i xv = _mm512_set1_epi32(a.x4(i, 32 * b + 4 * c));
-          for (int j = 0; j < W; ++j) S[i][j] = _mm512_dpbusd_epi32(S[i][j], qv[j], xv);
+          const __m512i xv = _mm512_set1_epi32(a.x4(i, 32 * b + 4 * c)), xv2 = _mm512_set1_epi32(a.x4(i, 32 * b + 4 * c + 4));
+          for (int j = 0; j < W; ++j) {
+            S[i][j] = _mm512_dpbusd_epi32(S[i][j], qv[j], xv);
+            S2[i][j] = _mm512_dpbusd_epi32(S2[i][j], qv2[j], xv2);
+          }
         }
       }
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < W; ++j) S[i][j] = _mm512_add_epi32(S[i][j], S2[i][j]);
       for (int j = 0; j < W; ++j) {
         const uint8_t* at = tp[j] + nb * Q8_CODE_BYTES + 32 * b;
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
