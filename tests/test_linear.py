@@ -66,8 +66,8 @@ def test_quantization_error_is_bounded_by_the_grid(fmt):
     # round-to-nearest: at most half a step, plus float16 rounding of the scale (and min) themselves
     assert ((deq - w).abs() <= 0.5 * step + 2e-3 * w.abs().amax()).all()
     assert (deq[3, 40:72] == 0).all() or fmt == "int4"
-    padded = -(-w.shape[0] // 16) * 16 * w.shape[1]  # whole tiles of 16 rows
-    assert layer.weight_bytes() == padded * (1.0625 if fmt == "int8" else 0.625)
+    padded = -(-w.shape[0] // 16) * 16 * w.shape[1]  # whole tiles of 16 rows (160 columns: 5 blocks, int8 pads a 6th)
+    assert layer.weight_bytes() == pytest.approx(padded * (1.0625 * 6 / 5 if fmt == "int8" else 0.625))
 
 
 @pytest.mark.parametrize("fmt", L.FORMATS)
@@ -125,17 +125,18 @@ def test_dequantized_slices_match_one_shot(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", L.FORMATS)
-@pytest.mark.parametrize("n,group_size", [(16, 32), (37, 64)])
-def test_tiles_hold_the_row_layout_exactly(fmt, n, group_size):
+@pytest.mark.parametrize("n,group_size,k", [(16, 32, 192), (37, 64, 192), (37, 32, 160)])  # 160: 5 blocks, int8 pairs one with a zero block
+def test_tiles_hold_the_row_layout_exactly(fmt, n, group_size, k):
     """pack (the kernel's 16-row tiles, per-32 scales) and unpack lose nothing; padding rows are zero."""
-    w = torch.randn(n, 192, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
     q, s, *m = (L.quantize_int4 if fmt == "int4" else L.quantize_int8)(w, group_size)
     m = m[0] if m else None
     tiles = L.pack(fmt, q, s, m, group_size)
-    assert tiles.shape == (-(-n // 16), 192 // 32, L.TILE_BLOCK_BYTES[fmt]) and tiles.dtype == torch.uint8
-    q2, s2, m2 = L.unpack(fmt, tiles, n)
+    blocks = k // 32 if fmt == "int4" else -(-k // 64)  # int8: pairs of blocks
+    assert tiles.shape == (-(-n // 16), blocks, L.TILE_BLOCK_BYTES[fmt]) and tiles.dtype == torch.uint8
+    q2, s2, m2 = L.unpack(fmt, tiles, n, k)
     assert torch.equal(L.dequantize_torch(fmt, q2, s2, m2, 32), L.dequantize_torch(fmt, q, s, m, group_size))
-    padding = L.unpack(fmt, tiles, tiles.shape[0] * 16)
+    padding = L.unpack(fmt, tiles, tiles.shape[0] * 16, k)
     assert all(not t[n:].any() for t in padding if t is not None)
 
 

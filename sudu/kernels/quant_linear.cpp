@@ -97,11 +97,21 @@ inline void prefetch_start(const uint8_t* q) {
 // int4, per tile and 32-block, 320 bytes: 4 chunks of 64 bytes, chunk c covering the block's columns
 //   8c..8c+7: lane l (bytes 4l..4l+3) holds row l's columns 8c..8c+3 in its low nibbles and 8c+4..8c+7 in
 //   its high ones; then the 16 rows' float16 scales (32 bytes) and float16 mins (32 bytes).
-// int8, per tile: the blocks' codes, 512 bytes each (8 chunks of 64: chunk c, lane l = row l's columns
-//   4c..4c+3, stored as q + 128 in [1, 255]: vpdpbusd's unsigned operand), then every block's 16 float16
-//   scales (32 bytes each), so the codes stay 64-byte aligned. vpdpbusd then sums (q + 128) * x; starting
-//   the sum at -128 * sum(x) leaves exactly sum(q * x), the integer the AVX2 kernel computes.
-constexpr int64_t TILE_ROWS = 16, Q4_BLOCK_BYTES = 320, Q8_CODE_BYTES = 512, Q8_BLOCK_BYTES = 544;
+// int8, per tile and pair of 32-blocks, 1088 bytes (17 lines): each block's 512 code bytes (8 chunks of 64:
+//   chunk c, lane l = row l's columns 4c..4c+3, stored as q + 128 in [1, 255]: vpdpbusd's unsigned
+//   operand), then the two blocks' 16 float16 scales (32 bytes each); an odd last block is paired with a
+//   zero one. So the codes stay 64-byte aligned and the tile is one stream (scales kept after all of a
+//   tile's codes streamed at 22-26 GB/s where int4 tiles streamed at 34-37). vpdpbusd then sums
+//   (q + 128) * x; starting the sum at -128 * sum(x) leaves exactly sum(q * x), the integer the AVX2
+//   kernel computes.
+constexpr int64_t TILE_ROWS = 16, Q4_BLOCK_BYTES = 320, Q8_CODE_BYTES = 512, Q8_PAIR_BYTES = 1088;
+
+// A tile's bytes; where an int8 tile's block b has its codes and its 16 scales.
+inline int64_t tile_bytes_of(bool int4, int64_t nb) { return int4 ? nb * Q4_BLOCK_BYTES : (nb + 1) / 2 * Q8_PAIR_BYTES; }
+inline const uint8_t* q8_codes(const uint8_t* tp, int64_t b) { return tp + b / 2 * Q8_PAIR_BYTES + b % 2 * Q8_CODE_BYTES; }
+inline const uint8_t* q8_scales(const uint8_t* tp, int64_t b) {
+  return tp + b / 2 * Q8_PAIR_BYTES + 2 * Q8_CODE_BYTES + b % 2 * 32;
+}
 
 // One call's quantized activations, from the first row a kernel call takes (row stride K codes, nb blocks).
 struct Acts {
@@ -113,115 +123,84 @@ struct Acts {
   inline int x4(int i, int64_t col) const { return *reinterpret_cast<const int*>(xq + i * K + col); }
 };
 
-// R activation rows against `count` rounds of W tiles (tiles r * W .. r * W + W - 1 from p); tile t's
-// outputs go to y[i * ldy + 16 * t + l] (padding rows included: the caller's buffer has room).
-template <int R, int W>
+// R activation rows against `count` consecutive tiles from p; tile t's outputs go to y[i * ldy + 16 * t + l]
+// (padding rows included: the caller's buffer has room). One tile at a time keeps each thread reading one
+// stream of weights: measured fastest where the weights come from memory (0.5B decode 75-80 tok/s against
+// 66 with 4 tiles per round and 63 with 2; the int8 head at 2-4 rows 32-35 GB/s against 25-26 with 2).
+template <int R>
 SUDU_VNNI void dot_q4_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y,
                                  int64_t ldy) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  const int64_t nb = a.nb, tile_bytes = nb * Q4_BLOCK_BYTES;
+  const int64_t nb = a.nb, tile_bytes = tile_bytes_of(true, nb);
   if (count > 1) prefetch_start(p);
-  for (int64_t r = 0; r < count; ++r) {
-    const uint8_t* tp[W];
-    for (int j = 0; j < W; ++j) tp[j] = p + (r * W + j) * tile_bytes;
-    __m512 acc[R][W];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < W; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; ++t) {
+    const uint8_t* tp = p + t * tile_bytes;
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      __m512i S[R][W];
-      for (int i = 0; i < R; ++i)
-        for (int j = 0; j < W; ++j) S[i][j] = _mm512_setzero_si512();
+      __m512i S[R];
+      for (int i = 0; i < R; ++i) S[i] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
-        __m512i lo[W], hi[W];
-        for (int j = 0; j < W; ++j) {
-          const uint8_t* at = tp[j] + b * Q4_BLOCK_BYTES + 64 * c;
-          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
-          const __m512i raw = _mm512_loadu_si512(at);
-          lo[j] = _mm512_and_si512(raw, mask);
-          hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-        }
+        const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 64 * c;
+        _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(at);
+        const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
         for (int i = 0; i < R; ++i) {
           const __m512i xl = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c)), xh = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c + 4));
-          for (int j = 0; j < W; ++j) S[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(S[i][j], lo[j], xl), hi[j], xh);
+          S[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(S[i], lo, xl), hi, xh);
         }
       }
-      for (int j = 0; j < W; ++j) {
-        const uint8_t* at = tp[j] + b * Q4_BLOCK_BYTES + 256;
-        _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)));
-        for (int i = 0; i < R; ++i) {
-          const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[i][j]), d, acc[i][j]);
-          acc[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[i * nb + b]), acc[i][j]);
-        }
+      const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 256;
+      _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)));
+      for (int i = 0; i < R; ++i) {
+        const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[i]), d, acc[i]);
+        acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[i * nb + b]), acc[i]);
       }
     }
-    for (int j = 0; j < W; ++j) {
-      const int64_t t = r * W + j;
-      const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
-      for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i][j], bv));
-    }
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i], bv));
   }
 }
 
-template <int R, int W>
+template <int R>
 SUDU_VNNI void dot_q8_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y,
                                  int64_t ldy) {
-  const int64_t nb = a.nb, tile_bytes = nb * Q8_BLOCK_BYTES;
+  const int64_t nb = a.nb, tile_bytes = tile_bytes_of(false, nb);
   if (count > 1) prefetch_start(p);
-  for (int64_t r = 0; r < count; ++r) {
-    const uint8_t* tp[W];
-    for (int j = 0; j < W; ++j) {
-      tp[j] = p + (r * W + j) * tile_bytes;
-      // the scales follow the tile's codes: requested at the tile's start, one line per 2 blocks
-      for (int64_t o = nb * Q8_CODE_BYTES; o < tile_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(tp[j] + o), _MM_HINT_T0);
-    }
-    __m512 acc[R][W];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < W; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; ++t) {
+    const uint8_t* tp = p + t * tile_bytes;
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      __m512i S[R][W];
+      // even and odd chunks in two dependency chains of 4 (one of 8 streamed at 22 GB/s, two at 26)
+      __m512i S[R], S2[R];
       for (int i = 0; i < R; ++i) {
-        const __m512i start = _mm512_set1_epi32(-128 * a.isum[i * nb + b]);
-        for (int j = 0; j < W; ++j) S[i][j] = start;
+        S[i] = _mm512_set1_epi32(-128 * a.isum[i * nb + b]);
+        S2[i] = _mm512_setzero_si512();
       }
-      __m512i S2[R][W];  // odd chunks: two dependency chains of 4 instead of one of 8
-      for (int i = 0; i < R; ++i)
-        for (int j = 0; j < W; ++j) S2[i][j] = _mm512_setzero_si512();
+      const uint8_t* codes = q8_codes(tp, b);
       for (int c = 0; c < 8; c += 2) {
-        __m512i qv[W], qv2[W];
-        for (int j = 0; j < W; ++j) {
-          const uint8_t* at = tp[j] + b * Q8_CODE_BYTES + 64 * c;
-          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(at + 64 + PREFETCH_BYTES), _MM_HINT_T0);
-          qv[j] = _mm512_loadu_si512(at);
-          qv2[j] = _mm512_loadu_si512(at + 64);
-        }
+        _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * c + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * c + 64 + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m512i q0 = _mm512_loadu_si512(codes + 64 * c), q1 = _mm512_loadu_si512(codes + 64 * c + 64);
         for (int i = 0; i < R; ++i) {
-          const __m512i xv = _mm512_set1_epi32(a.x4(i, 32 * b + 4 * c)), xv2 = _mm512_set1_epi32(a.x4(i, 32 * b + 4 * c + 4));
-          for (int j = 0; j < W; ++j) {
-            S[i][j] = _mm512_dpbusd_epi32(S[i][j], qv[j], xv);
-            S2[i][j] = _mm512_dpbusd_epi32(S2[i][j], qv2[j], xv2);
-          }
+          S[i] = _mm512_dpbusd_epi32(S[i], q0, _mm512_set1_epi32(a.x4(i, 32 * b + 4 * c)));
+          S2[i] = _mm512_dpbusd_epi32(S2[i], q1, _mm512_set1_epi32(a.x4(i, 32 * b + 4 * c + 4)));
         }
       }
-      for (int i = 0; i < R; ++i)
-        for (int j = 0; j < W; ++j) S[i][j] = _mm512_add_epi32(S[i][j], S2[i][j]);
-      for (int j = 0; j < W; ++j) {
-        const uint8_t* at = tp[j] + nb * Q8_CODE_BYTES + 32 * b;
-        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-        for (int i = 0; i < R; ++i) {
-          const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[i][j]), d, acc[i][j]);
-        }
+      const uint8_t* at = q8_scales(tp, b);
+      if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      for (int i = 0; i < R; ++i) {
+        const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(S[i], S2[i])), d, acc[i]);
       }
     }
-    for (int j = 0; j < W; ++j) {
-      const int64_t t = r * W + j;
-      const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
-      for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i][j], bv));
-    }
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i], bv));
   }
 }
 
@@ -229,7 +208,7 @@ SUDU_VNNI void dot_q8_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a,
 template <bool INT4, int R>
 void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
-  const int64_t nb = a.nb, tile_bytes = nb * (INT4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
+  const int64_t nb = a.nb, tile_bytes = tile_bytes_of(INT4, nb);
   // sum over 4 columns of q * x per lane: q unsigned (int4, [0, 15]) or signed with its sign moved onto x
   // (int8, |q|, |x| <= 127); neither saturates maddubs' int16 pairs
   auto dot4 = [&](__m256i q, int x4) {
@@ -246,7 +225,7 @@ void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias
         __m256i S[R];
         for (int i = 0; i < R; ++i) S[i] = _mm256_setzero_si256();
         for (int c = 0; c < (INT4 ? 4 : 8); ++c) {
-          const uint8_t* at = tp + b * (INT4 ? Q4_BLOCK_BYTES : Q8_CODE_BYTES) + 64 * c + 32 * h;
+          const uint8_t* at = (INT4 ? tp + b * Q4_BLOCK_BYTES : q8_codes(tp, b)) + 64 * c + 32 * h;
           _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
           if (INT4) {
@@ -258,7 +237,7 @@ void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias
             for (int i = 0; i < R; ++i) S[i] = _mm256_add_epi32(S[i], dot4(q, a.x4(i, 32 * b + 4 * c)));
           }
         }
-        const uint8_t* sat = INT4 ? tp + b * Q4_BLOCK_BYTES + 256 + 16 * h : tp + nb * Q8_CODE_BYTES + 32 * b + 16 * h;
+        const uint8_t* sat = (INT4 ? tp + b * Q4_BLOCK_BYTES + 256 : q8_scales(tp, b)) + 16 * h;
         const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sat)));
         const __m256 mv = INT4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sat + 32))) : sv;
         for (int i = 0; i < R; ++i) {
@@ -301,27 +280,21 @@ bool cpu_has_vnni() {
 }
 bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
 
-// Tiles per round on VNNI (AVX2: one): one tile per round keeps each thread reading one stream of weights,
-// which measured fastest where the weights come from memory: 0.5B decode 75-80 tok/s against 66 with 4 tiles
-// per round and 63 with 2; int4 layers at 2-4 rows 0.09 against 0.12 ms. int8 at 2-4 rows gained ~5% from
-// two tiles sharing the activation loads.
-inline int tiles_per_round(bool int4, int64_t R) { return !int4 && R >= 2 && R <= 4 ? 2 : 1; }
-
 // Activations quantized once per call, tiles split over threads. Up to MR_VNNI (AVX2: MR) activation
-// rows, a thread's tiles go through one kernel call per tile count; with more, each round of tiles meets
-// every row chunk while it sits in L1/L2. y has ntiles * 16 columns.
+// rows, a thread's tiles go through one kernel call; with more, each tile meets every row chunk while it
+// sits in L1/L2. y has ntiles * 16 columns.
 template <bool INT4>
 void qlinear_tiles_impl(const float* x, int64_t M, int64_t K, const uint8_t* p, int64_t ntiles, const float* bias,
                         float* y) {
-  const int64_t nb = K / 32, tile_bytes = nb * (INT4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES), ldy = ntiles * TILE_ROWS;
+  const int64_t nb = K / 32, tile_bytes = tile_bytes_of(INT4, nb), ldy = ntiles * TILE_ROWS;
   std::vector<int8_t> xq(M * K);
   std::vector<float> sx(M * nb), xsum(M * nb);
   std::vector<int32_t> isum(M * nb);
   for (int64_t m = 0; m < M; ++m)
     quantize_row_q8(x + m * K, K, xq.data() + m * K, sx.data() + m * nb, xsum.data() + m * nb, isum.data() + m * nb);
   const bool vnni = use_vnni;
-  // `count` rounds of W tiles from tile t against the activation rows of every chunk
-  auto run = [&](int64_t t, int64_t count, int W) {
+  // `count` tiles from tile t against the activation rows of every chunk
+  auto run = [&](int64_t t, int64_t count) {
     auto chunk = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
       const uint8_t* tp = p + t * tile_bytes;
@@ -329,12 +302,8 @@ void qlinear_tiles_impl(const float* x, int64_t M, int64_t K, const uint8_t* p, 
       const float* b = bias ? bias + TILE_ROWS * t : nullptr;
       float* out = y + m * ldy + TILE_ROWS * t;
       if (!vnni) dot_tiles<INT4, R>(tp, count, a, b, out, ldy);
-      else if constexpr (INT4) {
-        dot_q4_tiles_vnni<R, 1>(tp, count, a, b, out, ldy);
-      } else {
-        if (W == 2) dot_q8_tiles_vnni<R, 2>(tp, count, a, b, out, ldy);
-        else dot_q8_tiles_vnni<R, 1>(tp, count, a, b, out, ldy);
-      }
+      else if constexpr (INT4) dot_q4_tiles_vnni<R>(tp, count, a, b, out, ldy);
+      else dot_q8_tiles_vnni<R>(tp, count, a, b, out, ldy);
     };
     if (vnni)
       row_chunks<MR_VNNI>(M, chunk);
@@ -342,17 +311,10 @@ void qlinear_tiles_impl(const float* x, int64_t M, int64_t K, const uint8_t* p, 
       row_chunks<MR>(M, chunk);
   };
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-    const int W = vnni ? tiles_per_round(INT4, std::min<int64_t>(M, MR_VNNI)) : 1;
-    const bool one_chunk = M <= (vnni ? MR_VNNI : MR);
-    int64_t t = t0;
-    for (int w = W; w >= 1; w /= 2) {  // whole rounds of W tiles, then the rest in halves
-      const int64_t rounds = (t1 - t) / w;
-      if (one_chunk && rounds) {
-        run(t, rounds, w);
-      } else {
-        for (int64_t r = 0; r < rounds; ++r) run(t + r * w, 1, w);
-      }
-      t += rounds * w;
+    if (M <= (vnni ? MR_VNNI : MR)) {
+      run(t0, t1 - t0);
+    } else {
+      for (int64_t t = t0; t < t1; ++t) run(t, 1);
     }
   });
 }
@@ -416,7 +378,7 @@ inline void dequant_int8_tile(const uint8_t* tp, int64_t nb, float* out, int64_t
     for (int h = 0; h < 2; ++h) {
       __m256i r[8], t[8], u[8];
       for (int c = 0; c < 8; ++c)
-        r[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp + b * Q8_CODE_BYTES + 64 * c + 32 * h)), flip);
+        r[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8_codes(tp, b) + 64 * c + 32 * h)), flip);
       for (int k = 0; k < 4; ++k) {
         t[2 * k] = _mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
         t[2 * k + 1] = _mm256_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
@@ -428,7 +390,7 @@ inline void dequant_int8_tile(const uint8_t* tp, int64_t nb, float* out, int64_t
         u[4 * k + 3] = _mm256_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
       }
       alignas(32) float s8[8];
-      _mm256_store_ps(s8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tp + nb * Q8_CODE_BYTES + 32 * b + 16 * h))));
+      _mm256_store_ps(s8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q8_scales(tp, b) + 16 * h))));
       for (int l = 0; l < 8; ++l) {  // row l: u[l % 4] (rows 0-3) or its high lane with u[4 + l % 4] (rows 4-7)
         const __m256i row = l < 4 ? _mm256_permute2x128_si256(u[l % 4], u[4 + l % 4], 0x20)
                                   : _mm256_permute2x128_si256(u[l % 4], u[4 + l % 4], 0x31);
@@ -447,7 +409,7 @@ inline void dequant_int8_tile(const uint8_t* tp, int64_t nb, float* out, int64_t
 // Tiles dequantized as float32 (out32) or bfloat16 (out16, through a float buffer): [16 * tiles, K].
 template <bool INT4>
 void dequant_impl(const uint8_t* p, int64_t ntiles, int64_t K, float* out32, uint16_t* out16) {
-  const int64_t nb = K / 32, tile_bytes = nb * (INT4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
+  const int64_t nb = K / 32, tile_bytes = tile_bytes_of(INT4, nb);
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(out16 ? TILE_ROWS * K : 0);
     for (int64_t t = t0; t < t1; ++t) {
@@ -461,13 +423,14 @@ void dequant_impl(const uint8_t* p, int64_t ntiles, int64_t K, float* out32, uin
   });
 }
 
-// Packed tiles: uint8 [tiles, K / 32, 320] (int4) or [tiles, K / 32, 544] (int8).
+// Packed tiles: uint8 [tiles, K / 32, 320] (int4) or [tiles, ceil(K / 64), 1088] (int8, pairs of blocks).
 bool check_tiles(const torch::Tensor& q, int64_t K) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kByte && q.is_contiguous() &&
-              (q.size(2) == Q4_BLOCK_BYTES || q.size(2) == Q8_BLOCK_BYTES),
-              "weights must be packed tiles uint8 [tiles, K / 32, 320 (int4) or 544 (int8)]");
-  TORCH_CHECK(K < 0 || (K % 32 == 0 && q.size(1) == K / 32), "weight shape does not match x");
-  return q.size(2) == Q4_BLOCK_BYTES;
+              (q.size(2) == Q4_BLOCK_BYTES || q.size(2) == Q8_PAIR_BYTES),
+              "weights must be packed tiles uint8 [tiles, K / 32, 320] (int4) or [tiles, ceil(K / 64), 1088] (int8)");
+  const bool int4 = q.size(2) == Q4_BLOCK_BYTES;
+  TORCH_CHECK(K < 0 || (K % 32 == 0 && q.size(1) == (int4 ? K / 32 : (K / 32 + 1) / 2)), "weight shape does not match x");
+  return int4;
 }
 
 }  // namespace
@@ -498,10 +461,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Ten
 }
 
 // The weights as float32, or bfloat16 with bf16 = true (for prefill: dequantize, then one GEMM):
-// [16 * tiles, K], padding rows included.
+// [16 * tiles, K], padding rows included (int8 with an odd number of blocks: K + 32, a zero block last).
 torch::Tensor dequantize(torch::Tensor q, bool bf16) {
   const bool int4 = check_tiles(q, -1);
-  const int64_t N = q.size(0) * TILE_ROWS, K = q.size(1) * 32;
+  const int64_t N = q.size(0) * TILE_ROWS, K = q.size(1) * (int4 ? 32 : 64);
   auto out = torch::empty({N, K}, torch::dtype(bf16 ? torch::kBFloat16 : torch::kFloat));
   float* out32 = bf16 ? nullptr : out.data_ptr<float>();
   uint16_t* out16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;

@@ -96,9 +96,10 @@ def dequantize_torch(fmt: str, qweight, scales, mins, group_size: int) -> torch.
 #   int4, per tile and 32-block, 320 bytes: 256 code bytes (4 chunks of 64: lane l, bytes 4l..4l+3, holds
 #         row l's columns 8c..8c+3 in its low nibbles and 8c+4..8c+7 in its high ones), then the 16
 #         float16 scales and the 16 float16 mins.
-#   int8, per tile: every block's 512 code bytes (8 chunks of 64: lane l = row l's columns 4c..4c+3, as
-#         q + 128), then every block's 16 float16 scales; viewed as [tiles, blocks, 544].
-TILE_ROWS, TILE_BLOCK_BYTES = 16, {"int4": 320, "int8": 544}
+#   int8, per tile and pair of blocks, 1088 bytes: each block's 512 code bytes (8 chunks of 64: lane l =
+#         row l's columns 4c..4c+3, as q + 128), then the two blocks' 16 float16 scales; an odd last block
+#         is paired with a zero one. Shape [tiles, ceil(blocks / 2), 1088].
+TILE_ROWS, TILE_BLOCK_BYTES = 16, {"int4": 320, "int8": 1088}
 
 
 def _tiled(v: torch.Tensor, tiles: int) -> torch.Tensor:
@@ -130,13 +131,18 @@ def pack(fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
         c = _tiled(codes, tiles).reshape(tiles, nb, TILE_ROWS, 4, 2, 4)  # tile, block, lane, chunk, nibble, byte
         code_bytes = (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(2, 3).reshape(tiles, nb, 256)
         return torch.cat([code_bytes, *halves16], dim=2).contiguous()
-    c = _tiled(codes, tiles).reshape(tiles, nb, TILE_ROWS, 8, 4).transpose(2, 3).reshape(tiles, nb * 512)
-    return torch.cat([c, halves16[0].reshape(tiles, nb * 32)], dim=1).reshape(tiles, nb, 544).contiguous()
+    c = _tiled(codes, tiles).reshape(tiles, nb, TILE_ROWS, 8, 4).transpose(2, 3).reshape(tiles, nb, 512)
+    scale_bytes = halves16[0]
+    if nb % 2:  # a zero block (q = 0, scale 0) to pair with the last
+        c, scale_bytes = F.pad(c, (0, 0, 0, 1), value=0x80), F.pad(scale_bytes, (0, 0, 0, 1))
+    pairs = (nb + 1) // 2
+    return torch.cat([c.reshape(tiles, pairs, 1024), scale_bytes.reshape(tiles, pairs, 64)], dim=2).contiguous()
 
 
-def unpack(fmt: str, tiles: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """pack's inverse for the first n rows, with scales (and mins) per 32 columns: (qweight, scales, mins)."""
-    t, nb = tiles.shape[0], tiles.shape[1]
+def unpack(fmt: str, tiles: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """pack's inverse for the first n rows of k columns, with scales (and mins) per 32 columns: (qweight,
+    scales, mins)."""
+    t, nb = tiles.shape[0], k // 32
 
     def halves(v: torch.Tensor) -> torch.Tensor:  # [t, nb, 32] bytes -> [n, nb] float16
         return _untiled(v.contiguous().view(torch.float16))[:n].contiguous()
@@ -146,10 +152,10 @@ def unpack(fmt: str, tiles: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.T
         codes = _untiled(torch.stack([b & 0x0F, b >> 4], dim=4).reshape(t, nb, TILE_ROWS, 32))[:n]
         qweight = (codes[:, :, :16] | (codes[:, :, 16:] << 4)).reshape(n, nb * 16).contiguous()
         return qweight, halves(tiles[:, :, 256:288]), halves(tiles[:, :, 288:])
-    flat = tiles.reshape(t, nb * 544)
-    c = flat[:, :nb * 512].reshape(t, nb, 8, TILE_ROWS, 4).transpose(2, 3).reshape(t, nb, TILE_ROWS, 32)
+    pairs = tiles.shape[1]
+    c = tiles[:, :, :1024].reshape(t, 2 * pairs, 8, TILE_ROWS, 4)[:, :nb].transpose(2, 3).reshape(t, nb, TILE_ROWS, 32)
     qweight = (_untiled(c)[:n] ^ 0x80).reshape(n, nb * 32).contiguous().view(torch.int8)
-    return qweight, halves(flat[:, nb * 512:].reshape(t, nb, 32)), None
+    return qweight, halves(tiles[:, :, 1024:].reshape(t, 2 * pairs, 32)[:, :nb]), None
 
 
 def q8_0_blocks(qt) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +205,7 @@ class QuantizedLinear(nn.Module):
 
     def row_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """(qweight, scales, mins, group size) in the row layout dequantize_torch takes (groups of 32)."""
-        return (*unpack(self.fmt, self.qweight, self.out_features), 32)
+        return (*unpack(self.fmt, self.qweight, self.out_features, self.in_features), 32)
 
     def select_rows(self, rows: torch.Tensor) -> "QuantizedLinear":
         """A layer computing only the given output rows (a draft model's reduced head)."""
@@ -247,9 +253,9 @@ class QuantizedLinear(nn.Module):
         """Rows n0..n1 (n0 a multiple of 16) dequantized."""
         tiles = self.qweight[n0 // TILE_ROWS:-(-n1 // TILE_ROWS)]
         if self._ext is not None and dtype in (torch.float32, torch.bfloat16):
-            w = self._ext.dequantize(tiles, dtype == torch.bfloat16)
-            return w[:n1 - n0] if w.shape[0] != n1 - n0 else w
-        q, s, m = unpack(self.fmt, tiles, n1 - n0)
+            w = self._ext.dequantize(tiles, dtype == torch.bfloat16)  # whole tiles (int8: whole block pairs)
+            return w[:n1 - n0, :self.in_features] if w.shape != (n1 - n0, self.in_features) else w
+        q, s, m = unpack(self.fmt, tiles, n1 - n0, self.in_features)
         return dequantize_torch(self.fmt, q, s, m, 32).to(dtype)
 
     def extra_repr(self) -> str:
