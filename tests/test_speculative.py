@@ -96,7 +96,7 @@ def test_draft_length_defaults_per_drafter():
     from sudu.engine.speculative import DEFAULT_DRAFT_LEN, draft_len
 
     assert draft_len(EngineConfig(speculative="ngram")) == DEFAULT_DRAFT_LEN["ngram"] == 7
-    assert draft_len(EngineConfig(speculative="draft:qwen2.5-coder-0.5b-instruct")) == DEFAULT_DRAFT_LEN["draft"] == 5
+    assert draft_len(EngineConfig(speculative="draft:qwen2.5-coder-0.5b-instruct")) == DEFAULT_DRAFT_LEN["draft"] == 4
     assert draft_len(EngineConfig(speculative="ngram", num_speculative_tokens=3)) == 3
 
 

@@ -308,8 +308,10 @@ class SpecController:
 
 # Longest drafts by default (num_speculative_tokens = 0), measured single-stream on this project's CPU
 # (docs/benchmarks.md): n-gram drafts cost nothing, so 7 (the most verification takes) gained 9% over 4
-# on editing; a draft model pays a step per token, and 5 beat 4 and 6.
-DEFAULT_DRAFT_LEN = {"ngram": 7, "draft": 5}
+# on editing; a draft model pays a step per token. 5 beat 4 and 6 with the row-layout kernels; with the tile
+# kernels (cheaper verification rows) 4 beat 5 on free generation (1.54x / 1.49x against 1.51x / 1.42x,
+# two rounds, one process) and lost 3% on editing (2.05x against 2.11x).
+DEFAULT_DRAFT_LEN = {"ngram": 7, "draft": 4}
 
 
 def draft_len(config) -> int:
