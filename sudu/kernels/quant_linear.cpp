@@ -14,7 +14,7 @@
 // Activations are rounded to int8 in blocks of 32 (a float scale per block, as llama.cpp's Q8 activations),
 // and each (weight block, activation block) pair is an integer dot product (AVX2 maddubs + madd, or
 // AVX-512 VNNI vpdpbusd where the CPU has it: the same integers) followed by float multiply-adds with
-// the two blocks' scales (int4: 16 rows' blocks per vector operation, see dot_q4_tiles_vnni). That is far
+// the two blocks' scales (16 rows' blocks per vector operation, see dot_tiles_vnni). That is far
 // less arithmetic than dequantizing to float, so one-row decode is bound by memory rather than compute,
 // and every row, at every row count and on either instruction set, goes through the same float
 // operations in the same order: a row's result is bit for bit independent of the batch it shares the
@@ -127,79 +127,66 @@ struct Acts {
 // (padding rows included: the caller's buffer has room). One tile at a time keeps each thread reading one
 // stream of weights: measured fastest where the weights come from memory (0.5B decode 75-80 tok/s against
 // 66 with 4 tiles per round and 63 with 2; the int8 head at 2-4 rows 32-35 GB/s against 25-26 with 2).
-template <int R>
-SUDU_VNNI void dot_q4_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y,
-                                 int64_t ldy) {
+// CH (int8): dependency chains per block (below); 4 for 1-2 rows, 2 from 3 (registers)
+template <bool INT4, int R, int CH>
+SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y,
+                              int64_t ldy) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  const int64_t nb = a.nb, tile_bytes = tile_bytes_of(true, nb);
+  const int64_t nb = a.nb, tile_bytes = tile_bytes_of(INT4, nb);
   if (count > 1) prefetch_start(p);
   for (int64_t t = 0; t < count; ++t) {
     const uint8_t* tp = p + t * tile_bytes;
     __m512 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      __m512i S[R];
-      for (int i = 0; i < R; ++i) S[i] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 64 * c;
+      if constexpr (INT4) {
+        __m512i S[R];
+        for (int i = 0; i < R; ++i) S[i] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 64 * c;
+          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+          const __m512i raw = _mm512_loadu_si512(at);
+          const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          for (int i = 0; i < R; ++i) {
+            const __m512i xl = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c)), xh = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c + 4));
+            S[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(S[i], lo, xl), hi, xh);
+          }
+        }
+        const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 256;
         _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(at);
-        const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)));
         for (int i = 0; i < R; ++i) {
-          const __m512i xl = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c)), xh = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c + 4));
-          S[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(S[i], lo, xl), hi, xh);
+          const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[i]), d, acc[i]);
+          acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[i * nb + b]), acc[i]);
         }
-      }
-      const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 256;
-      _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)));
-      for (int i = 0; i < R; ++i) {
-        const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[i]), d, acc[i]);
-        acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[i * nb + b]), acc[i]);
-      }
-    }
-    const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
-    for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i], bv));
-  }
-}
-
-// CH: dependency chains per block (below); 4 for 1-2 rows, 2 from 3 (registers)
-template <int R, int CH>
-SUDU_VNNI void dot_q8_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y,
-                                 int64_t ldy) {
-  const int64_t nb = a.nb, tile_bytes = tile_bytes_of(false, nb);
-  if (count > 1) prefetch_start(p);
-  for (int64_t t = 0; t < count; ++t) {
-    const uint8_t* tp = p + t * tile_bytes;
-    __m512 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      // the 8 chunks in CH independent dependency chains, added in integers at the end (one chain of 8
-      // streamed the 0.5B head at 22 GB/s, two at 26; at one row four took 6-12% less time than two,
-      // alternating in one process)
-      __m512i S[CH][R];
-      for (int i = 0; i < R; ++i) {
-        S[0][i] = _mm512_set1_epi32(-128 * a.isum[i * nb + b]);
-        for (int h = 1; h < CH; ++h) S[h][i] = _mm512_setzero_si512();
-      }
-      const uint8_t* codes = q8_codes(tp, b);
-      for (int c = 0; c < 8; c += CH) {
-        for (int h = 0; h < CH; ++h) {
-          _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * (c + h) + PREFETCH_BYTES), _MM_HINT_T0);
-          const __m512i qv = _mm512_loadu_si512(codes + 64 * (c + h));
-          for (int i = 0; i < R; ++i) S[h][i] = _mm512_dpbusd_epi32(S[h][i], qv, _mm512_set1_epi32(a.x4(i, 32 * b + 4 * (c + h))));
+      } else {
+        // the 8 chunks in CH independent dependency chains, added in integers at the end (one chain of 8
+        // streamed the 0.5B head at 22 GB/s, two at 26; at one row four took 6-12% less time than two,
+        // alternating in one process)
+        __m512i S[CH][R];
+        for (int i = 0; i < R; ++i) {
+          S[0][i] = _mm512_set1_epi32(-128 * a.isum[i * nb + b]);
+          for (int h = 1; h < CH; ++h) S[h][i] = _mm512_setzero_si512();
         }
-      }
-      for (int h = 1; h < CH; ++h)
-        for (int i = 0; i < R; ++i) S[0][i] = _mm512_add_epi32(S[0][i], S[h][i]);
-      const uint8_t* at = q8_scales(tp, b);
-      if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-      for (int i = 0; i < R; ++i) {
-        const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[0][i]), d, acc[i]);
+        const uint8_t* codes = q8_codes(tp, b);
+        for (int c = 0; c < 8; c += CH) {
+          for (int h = 0; h < CH; ++h) {
+            _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * (c + h) + PREFETCH_BYTES), _MM_HINT_T0);
+            const __m512i qv = _mm512_loadu_si512(codes + 64 * (c + h));
+            for (int i = 0; i < R; ++i) S[h][i] = _mm512_dpbusd_epi32(S[h][i], qv, _mm512_set1_epi32(a.x4(i, 32 * b + 4 * (c + h))));
+          }
+        }
+        for (int h = 1; h < CH; ++h)
+          for (int i = 0; i < R; ++i) S[0][i] = _mm512_add_epi32(S[0][i], S[h][i]);
+        const uint8_t* at = q8_scales(tp, b);
+        if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+        for (int i = 0; i < R; ++i) {
+          const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[0][i]), d, acc[i]);
+        }
       }
     }
     const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
@@ -305,8 +292,7 @@ void qlinear_tiles_impl(const float* x, int64_t M, int64_t K, const uint8_t* p, 
       const float* b = bias ? bias + TILE_ROWS * t : nullptr;
       float* out = y + m * ldy + TILE_ROWS * t;
       if (!vnni) dot_tiles<INT4, R>(tp, count, a, b, out, ldy);
-      else if constexpr (INT4) dot_q4_tiles_vnni<R>(tp, count, a, b, out, ldy);
-      else dot_q8_tiles_vnni<R, R <= 2 ? 4 : 2>(tp, count, a, b, out, ldy);
+      else dot_tiles_vnni<INT4, R, R <= 2 ? 4 : 2>(tp, count, a, b, out, ldy);
     };
     if (vnni)
       row_chunks<MR_VNNI>(M, chunk);
