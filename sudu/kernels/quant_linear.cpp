@@ -1,10 +1,11 @@
 // Weight-only quantized linear layers for CPUs with AVX2 + FMA + F16C.
 //
 // y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), x and y float32.
-// Formats (K a multiple of 32, group size G a multiple of 32 that divides K):
-//   int8: q int8 [N, K];                 w = s[n, k / G] * q
-//   int4: w = s * q + m per 32-block, q in [0, 15], stored in tiles of 16 rows (the int4 section below;
-//         layers/linear.py pack_int4 builds them from the row layout).
+// Formats (K a multiple of 32), per 32-block of a row:
+//   int8: w = s * q, q in [-127, 127]
+//   int4: w = s * q + m, q in [0, 15]
+// both stored in tiles of 16 rows (the tiles section below; layers/linear.py pack builds them from the
+// row layout).
 // Scales and mins are float16 (half the bytes of float32, and F16C converts them for free).
 //
 // Why this kernel: decode is bound by reading weights. PyTorch's packed int8/int4 kernels read the
@@ -28,7 +29,6 @@
 #include <type_traits>
 
 namespace {
-
 
 // x[0:K] -> int8 codes xq and per-32 scales sx (x ~= sx * xq); isum[b] = sum(xq in block b), xsum[b] = sx[b] * isum[b].
 // Round to nearest even (the default MXCSR mode), x * (1 / d) as PyTorch would compute it in float32.
@@ -81,8 +81,8 @@ inline void prefetch_start(const uint8_t* q) {
 #define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 // ---- Tiles of 16 weight rows, one row per 32-bit lane ----
-// Both formats are stored as the kernels read them (layers/linear.py pack_int4 / pack_int8 build the tiles
-// from the row layout): rows in tiles of 16, the last one zero-padded. An integer dot-product step
+// Both formats are stored as the kernels read them (layers/linear.py pack builds the tiles from the row
+// layout): rows in tiles of 16, the last one zero-padded. An integer dot-product step
 // (vpdpbusd: 4 u8 x s8 products summed per int32 lane) takes 4 columns of 16 rows against 4 activation
 // codes broadcast to every lane, so after a block's 8 steps each lane holds its row's integer sum S over
 // the block, and the float work is per 16 rows, not per row:
@@ -259,8 +259,8 @@ inline void row_chunks(int64_t M, F&& f) {
   }
 }
 
-// AVX2 kernels take MR activation rows per call, VNNI ones MR_VNNI (2 accumulators per row and tile in
-// registers).
+// AVX2 kernels take MR activation rows per call, VNNI ones MR_VNNI (each row's accumulators, a float one
+// and 1-4 integer ones, stay in registers).
 constexpr int MR = 4, MR_VNNI = 8;
 
 bool cpu_has_vnni() {

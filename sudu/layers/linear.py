@@ -7,8 +7,9 @@ Formats (accumulation in float32; see the dispatch below for the activations):
         exactly (they are copied, not requantized) and keeps requantized Q5_0/Q6_K weights within a few
         percent of their own grid step.
   int4: asymmetric, float16 scale and min per group of 32: w = s * q + m, q in [0, 15]. 0.625 bytes
-        per weight. Stored as the kernel reads it: rows in tiles of 16 (pack), so that one vector
-        operation covers one block of 16 rows.
+        per weight.
+Both are stored as the kernel reads them: rows in tiles of 16 (pack), so that one vector operation
+covers one block of 16 rows.
 
 Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py for the figures):
   M <  PREFILL_MIN_ROWS  the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
@@ -238,7 +239,7 @@ class QuantizedLinear(nn.Module):
     def _dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = PREFILL_DTYPE if self._ext is not None else torch.float32
         xg = x.to(dtype)
-        # slices of whole tiles (int4)
+        # slices of whole tiles
         rows_per_slice = max(TILE_ROWS, DEQUANT_SLICE_BYTES // (4 * self.in_features) // TILE_ROWS * TILE_ROWS)
         if rows_per_slice >= self.out_features:
             y = F.linear(xg, self.dequantized_weight(dtype))
