@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -13,7 +14,13 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL  # catalog name, .gguf path or Hugging Face-style directory
-    dtype: str = "float32"  # compute dtype of activations and unquantized weights
+    # where the network runs: auto (CUDA when torch sees a GPU, else the CPU) | cpu | cuda | cuda:N.
+    # On CUDA the weights run in --dtype through PyTorch's kernels (the quantized formats and speculative
+    # decoding are CPU-only so far: engine/placement.py)
+    device: str = "auto"
+    # compute dtype of activations and unquantized weights; auto: float32 on the CPU (the native kernels'
+    # activations), bfloat16 on CUDA
+    dtype: str = "auto"
     # weight format of the linear layers: auto | none | int8 | int4 (layers/linear.py). auto: int4 for
     # checkpoints that come quantized (the catalog's GGUFs), none (float) for float checkpoints
     quantization: str = "auto"
@@ -33,7 +40,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
     # most draft tokens per sequence per step (adapted per sequence); 0 = the drafter's own default:
-    # 7 for n-gram lookup (free to draft), 5 for a draft model (measured: docs/benchmarks.md)
+    # 7 for n-gram lookup (free to draft), 4 for a draft model (measured: docs/benchmarks.md)
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 8  # speculation pauses while more sequences than this are decoding (measured: docs/benchmarks.md)
     # draft model's output head: only the first N token ids (in BPE merge order, the most frequent) and the
@@ -65,8 +72,10 @@ class EngineConfig:
             raise ValueError(f"sliding_window_kv must be ring or full, got {self.sliding_window_kv!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
 def default_num_threads() -> int:

@@ -2,8 +2,8 @@
 
 Decode at batch 1 reads every weight once per token, so tokens/s can never beat
     bandwidth / bytes read per token.
-This measures the bandwidth (a timed sum over a 1 GiB tensor, median of several, right after each
-format's decode measurement, since a VM's bandwidth can move during the run), counts the bytes a
+It measures the CPU (the engine runs with --device cpu): the bandwidth (a timed sum over a 1 GiB tensor,
+median of several, right after each format's decode measurement, since a VM's bandwidth can move during the run), counts the bytes a
 decode step reads per weight format (every linear layer incl. lm_head at that format's bytes per weight,
 plus one embedding row, norms and biases; the KV cache is left out: at the short contexts measured here
 it is well under 1% of the weights), and sets next to each limit the decode tok/s sudu's engine achieves
@@ -22,12 +22,12 @@ from sudu.layers.linear import GROUP_SIZE
 
 # weight format -> (engine settings, bytes per linear weight, bytes per other parameter)
 FORMATS = {
-    "fp32": (dict(dtype="float32", quantization="none"), 4.0, 4.0),
-    "bf16": (dict(dtype="bfloat16", quantization="none"), 2.0, 2.0),
-    "int8": (dict(dtype="float32", quantization="int8"), 1.0 + 2.0 / GROUP_SIZE, 4.0),  # + float16 scale per group
-    "int4": (dict(dtype="float32", quantization="int4"), 0.5 + 4.0 / GROUP_SIZE, 4.0),  # + float16 scale and min
+    "fp32": (dict(device="cpu", dtype="float32", quantization="none"), 4.0, 4.0),
+    "bf16": (dict(device="cpu", dtype="bfloat16", quantization="none"), 2.0, 2.0),
+    "int8": (dict(device="cpu", dtype="float32", quantization="int8"), 1.0 + 2.0 / GROUP_SIZE, 4.0),  # + float16 scale per group
+    "int4": (dict(device="cpu", dtype="float32", quantization="int4"), 0.5 + 4.0 / GROUP_SIZE, 4.0),  # + float16 scale and min
     # the default for quantized checkpoints: int4, output head int8 (layers/linear.py AUTO_HEAD_FORMAT)
-    "auto": (dict(dtype="float32", quantization="auto"), 0.5 + 4.0 / GROUP_SIZE, 4.0),
+    "auto": (dict(device="cpu", dtype="float32", quantization="auto"), 0.5 + 4.0 / GROUP_SIZE, 4.0),
 }
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
 

@@ -48,8 +48,11 @@ def forward_text(model: torch.nn.Module, token_ids: list[int], pools: list) -> t
     cfg = model.config
     n = len(token_ids)
     window = cfg.sliding_window if "sliding_attention" in cfg.layer_types else None
+    device = pools[0].k.device
     meta = build_metadata([n], [torch.arange(n)], pools, window)
-    return model(torch.tensor(token_ids), torch.arange(n), meta)
+    if device.type != "cpu":
+        meta = meta.to(device)
+    return model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), meta)
 
 
 @torch.inference_mode()

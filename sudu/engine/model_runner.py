@@ -12,6 +12,7 @@ import torch
 from sudu.config import EngineConfig, default_num_threads
 from sudu.engine.auto_format import forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
+from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
 from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder, calibration_ids
@@ -22,7 +23,6 @@ from sudu.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_CAP_BYTES = 4 << 30
 
 
@@ -62,20 +62,35 @@ def load_network(model_cfg: ModelConfig, tensors, dtype: torch.dtype) -> torch.n
     return model.eval()
 
 
+def move_network(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The network's parameters and its rotary tables (plain tensors, not buffers) on device."""
+    from sudu.layers.rotary import RotaryEmbedding
+
+    model.to(device)
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, RotaryEmbedding):
+                value.to(device)
+    return model
+
+
 def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
-    """The checkpoint's network ready to run: loaded in config.dtype, its linear layers quantized to the
-    resolved format, and projections that read the same input (q/k/v, gate/up) fused into one call
-    each. Returns (network, weight format)."""
+    """The checkpoint's network ready to run on config's device: loaded in its dtype, its linear layers
+    quantized to the resolved format (CPU only), projections that read the same input (q/k/v, gate/up)
+    fused into one call each. Returns (network, weight format)."""
     from sudu.engine.auto_format import quantize_auto
     from sudu.layers.linear import quantize_model, resolve_format
 
-    dtype = DTYPES[config.dtype]
+    check_supported(config)
+    dtype = resolve_dtype(config)
+    device = resolve_device(config.device)
 
     def load():
         return load_network(ckpt.config, ckpt.tensors(dtype), dtype)
 
     model = load()
-    fmt = resolve_format(config.quantization, ckpt)
+    # off the CPU the weights run in dtype (placement.py): a quantized checkpoint's auto is "none" there
+    fmt = resolve_format(config.quantization, ckpt) if device.type == "cpu" else "none"
     if fmt != "none":
         if config.quantization == "auto":  # int4 with an int8 head where it holds the model's accuracy, else int8
             model, fmt = quantize_auto(ckpt, model, load)
@@ -84,6 +99,8 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     for module in model.modules():
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()
+    if device.type != "cpu":
+        return move_network(model, device), fmt
     if hasattr(model, "prepare_native_decode"):  # llama family: the one-call decode stack (kernels/decoder.cpp)
         model.prepare_native_decode()
     return model, fmt
@@ -97,7 +114,7 @@ def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]
     if not token_ids:
         raise SuduError("int8 KV calibration needs at least one token")
     n = len(token_ids)
-    recorders = [KVRangeRecorder(n, c.k.shape[1], c.k.shape[2]) for c in caches]
+    recorders = [KVRangeRecorder(n, c.k.shape[1], c.k.shape[2], c.k.device) for c in caches]
     forward_text(model, token_ids, recorders)
     for cache, rec in zip(caches, recorders):
         if isinstance(cache, Int8KVCache):
@@ -112,7 +129,8 @@ class ModelRunner:
         self.config = config
         self.model_cfg = model_cfg
         self.model = model
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = resolve_dtype(config)
+        self.device = resolve_device(config.device)
         self.block_size = config.block_size
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
         torch.set_num_threads(config.num_threads or default_num_threads())
@@ -140,7 +158,8 @@ class ModelRunner:
         for i in range(model_cfg.num_hidden_layers):
             blocks = self.sliding_blocks.num_blocks if i in ring_layers else self.num_blocks
             self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, blocks * self.block_size,
-                                                model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype))
+                                                model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype,
+                                                self.device))
         if config.kv_cache_dtype == "int8":
             ids = calibration_ids(tokenizer, model_cfg) if tokenizer is not None else []
             log.info("calibrating the int8 KV scales on %d tokens", len(ids))
@@ -153,7 +172,10 @@ class ModelRunner:
     def _kv_budget_bytes(self, max_model_len: int) -> int:
         budget = self.config.kv_cache_memory
         if budget is None:
-            budget = min(DEFAULT_KV_CACHE_CAP_BYTES, available_memory_bytes() // 4)
+            if self.device.type == "cuda":  # the weights are on the GPU already: half of what it has left
+                budget = torch.cuda.mem_get_info(self.device)[0] // 2
+            else:
+                budget = min(DEFAULT_KV_CACHE_CAP_BYTES, available_memory_bytes() // 4)
             # no use holding more than every running sequence at full length
             budget = min(budget, self.config.max_num_seqs * max_model_len * self.kv_bytes_per_token())
         return budget
@@ -190,7 +212,11 @@ class ModelRunner:
                 first = max(0, start + 1 - window)  # the earliest key the first new token can see
                 sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
         meta = build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta)
+        ids_t, positions_t = torch.tensor(ids), torch.tensor(positions)
+        if self.device.type != "cpu":  # one copy of the step's metadata; sampling stays on the host
+            meta = meta.to(self.device)
+            ids_t, positions_t = ids_t.to(self.device), positions_t.to(self.device)
+        hidden = self.model(ids_t, positions_t, meta)
         if not sample_rows:
-            return hidden.new_zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[sample_rows]).float()
+            return torch.zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden[sample_rows]).float().cpu()

@@ -164,7 +164,8 @@ class DraftModelDrafter:
     def __init__(self, model: str, target_tokenizer, target_config, engine_config, target_pool_tokens: int):
         import dataclasses
 
-        from sudu.engine.model_runner import DTYPES, ModelRunner, kv_bytes_per_token, prepare_network
+        from sudu.engine.model_runner import ModelRunner, kv_bytes_per_token, prepare_network
+        from sudu.engine.placement import resolve_dtype
         from sudu.weights.loader import load_checkpoint
 
         ckpt = load_checkpoint(model, pull=True, progress=True)
@@ -172,7 +173,7 @@ class DraftModelDrafter:
             raise SuduError(f"draft model {model!r} has a different tokenizer from the target; "
                             "speculative decoding needs identical vocabularies")
         self.vocab_size = target_config.vocab_size
-        dtype = DTYPES[engine_config.dtype]
+        dtype = resolve_dtype(engine_config)
         net, _ = prepare_network(ckpt, engine_config)
         self.keep = draft_vocabulary(ckpt.tokenizer, min(ckpt.config.vocab_size, self.vocab_size),
                                      engine_config.speculative_draft_vocab)

@@ -31,8 +31,8 @@ def decode_kernel(q: torch.Tensor, cache: KVCache, max_q: int):
     whose longest sequence has at most NATIVE_MAX_Q new tokens (decodes and speculative verification;
     beyond that, e.g. a prefill chunk riding along with decodes, SDPA's blocked kernel is faster).
     Otherwise (or without the extension) they go through index_select + SDPA."""
-    if (q.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.int8) or q.shape[-1] % 8
-            or max_q > NATIVE_MAX_Q):
+    if (not q.is_cpu or q.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.int8)
+            or q.shape[-1] % 8 or max_q > NATIVE_MAX_Q):
         return None
     ext = kernels.load()
     return None if ext is None else ext.decode_attention
@@ -65,6 +65,10 @@ class SeqAttention:
     key_slots: torch.Tensor  # slots of the keys it may see, in position order (the new tokens included)
     mask: torch.Tensor | None  # [q_len, num_keys] True = attend; None -> plain causal from position 0
 
+    def to(self, device: torch.device) -> SeqAttention:
+        mask = None if self.mask is None else self.mask.to(device, non_blocking=True)
+        return SeqAttention(self.q_start, self.q_len, self.key_slots.to(device, non_blocking=True), mask)
+
 
 @dataclass
 class DecodeBatch:
@@ -74,6 +78,10 @@ class DecodeBatch:
     rows: torch.Tensor  # [B, max_q] rows of their new tokens in the flat batch, -1 = padding
     slots: torch.Tensor  # [B, max_keys] key slots, padded with slot 0
     mask: torch.Tensor  # [B, 1, max_q, max_keys] True = attend (padding queries see key 0, never NaN)
+    padded: bool = False  # some rows are -1 (sequences with fewer new tokens than max_q)
+
+    def to(self, device: torch.device) -> DecodeBatch:
+        return DecodeBatch(*(t.to(device, non_blocking=True) for t in (self.rows, self.slots, self.mask)), self.padded)
 
 
 @dataclass
@@ -85,6 +93,10 @@ class AttentionView:
     seqs: list[SeqAttention] = field(default_factory=list)
     decode: DecodeBatch | None = None
 
+    def to(self, device: torch.device) -> AttentionView:
+        return AttentionView(self.slot_mapping.to(device, non_blocking=True), [s.to(device) for s in self.seqs],
+                             None if self.decode is None else self.decode.to(device))
+
 
 SMALL_Q = 16  # sequences with at most this many new tokens share one padded attention call
 
@@ -94,6 +106,12 @@ class AttentionMetadata:
     full: AttentionView
     sliding: AttentionView | None  # None: the model has no sliding-window layers
     kv_caches: list[KVCache] = field(default_factory=list)  # per layer
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same batch with its index tensors on device (built on the host, copied once per step; the
+        pools stay where they are)."""
+        return AttentionMetadata(self.full.to(device), None if self.sliding is None else self.sliding.to(device),
+                                 self.kv_caches)
 
 
 def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], key_slots: list[torch.Tensor],
@@ -129,7 +147,7 @@ def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], ke
             rows[b, :q] = torch.arange(r, r + q)
             slots[b, :n] = key_slots[i]
             mask[b, :q, :n] = m
-        decode = DecodeBatch(rows, slots, mask[:, None])
+        decode = DecodeBatch(rows, slots, mask[:, None], padded=any(q_lens[i] < max_q for i, _, _ in small))
     slot_mapping = torch.cat(slot_parts) if slot_parts else torch.zeros(0, dtype=torch.long)
     return AttentionView(slot_mapping, seqs, decode)
 
@@ -177,7 +195,7 @@ def paged_attention(
     view = meta.sliding if sliding and meta.sliding is not None else meta.full
     cache = meta.kv_caches[layer_idx]
     cache.write(view.slot_mapping, k, v)
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for s in view.seqs:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
         ks, vs = cache.read(s.key_slots, q.dtype)  # [keys, Hkv, D]
@@ -194,14 +212,14 @@ def paged_attention(
         kernel(q, cache.k, cache.v, ks, vs, d.rows, d.slots, d.mask[:, 0], scale, out)
     elif d is not None:
         B, max_q = d.rows.shape
-        valid = d.rows.reshape(-1) >= 0
         qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, *q.shape[1:]).transpose(1, 2)
         kd, vd = cache.read(d.slots, q.dtype)  # [B, L, Hkv, D]
         kd, vd = _expand_heads(kd.transpose(1, 2), q.shape[1]), _expand_heads(vd.transpose(1, 2), q.shape[1])
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
         o = o.transpose(1, 2).reshape(B * max_q, *q.shape[1:])
-        if bool(valid.all()):
+        if not d.padded:
             out.index_copy_(0, d.rows.reshape(-1), o)
         else:
+            valid = d.rows.reshape(-1) >= 0
             out.index_copy_(0, d.rows.reshape(-1)[valid], o[valid])
     return out

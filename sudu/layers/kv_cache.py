@@ -53,10 +53,11 @@ def calibration_ids(tokenizer, config) -> list[int]:
 
 
 class KVCache:
-    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -78,10 +79,10 @@ class KVRangeRecorder(KVCache):
     """A float32 pool that records, over everything written to it, K's largest rotate-half pair norm and V's
     largest magnitude per (kv head, channel): the calibration pass's pool."""
 
-    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int):
-        super().__init__(num_slots, num_kv_heads, head_dim, torch.float32)
-        self.k_max = torch.zeros(num_kv_heads, head_dim)
-        self.v_max = torch.zeros(num_kv_heads, head_dim)
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"):
+        super().__init__(num_slots, num_kv_heads, head_dim, torch.float32, device)
+        self.k_max = torch.zeros(num_kv_heads, head_dim, device=device)
+        self.v_max = torch.zeros(num_kv_heads, head_dim, device=device)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = k.float(), v.float()
@@ -93,8 +94,8 @@ class KVRangeRecorder(KVCache):
 
 
 class Int8KVCache(KVCache):
-    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int):
-        super().__init__(num_slots, num_kv_heads, head_dim, torch.int8)
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"):
+        super().__init__(num_slots, num_kv_heads, head_dim, torch.int8, device)
         self.k_scale: torch.Tensor | None = None  # float32 [num_kv_heads, head_dim], set by set_range
         self.v_scale: torch.Tensor | None = None
 
@@ -104,8 +105,8 @@ class Int8KVCache(KVCache):
 
     def set_range(self, k_max: torch.Tensor, v_max: torch.Tensor) -> None:
         """Scales that map +-k_max / +-v_max ([num_kv_heads, head_dim]) to +-127."""
-        self.k_scale = (k_max.float() / 127.0).clamp_min(1e-8).contiguous()
-        self.v_scale = (v_max.float() / 127.0).clamp_min(1e-8).contiguous()
+        self.k_scale = (k_max.float() / 127.0).clamp_min(1e-8).contiguous().to(self.k.device)
+        self.v_scale = (v_max.float() / 127.0).clamp_min(1e-8).contiguous().to(self.k.device)
 
     @staticmethod
     def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -125,10 +126,11 @@ class Int8KVCache(KVCache):
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
 
 
-def make_kv_cache(kind: str, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCache:
+def make_kv_cache(kind: str, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> KVCache:
     if kind == "int8":
-        return Int8KVCache(num_slots, num_kv_heads, head_dim)
-    return KVCache(num_slots, num_kv_heads, head_dim, dtype)
+        return Int8KVCache(num_slots, num_kv_heads, head_dim, device)
+    return KVCache(num_slots, num_kv_heads, head_dim, dtype, device)
 
 
 def layer_kv_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

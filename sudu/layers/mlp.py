@@ -38,7 +38,7 @@ class GatedMLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            if self._silu_mul is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+            if self._silu_mul is not None and gate_up.is_cpu and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
                 return self.down_proj(self._silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)

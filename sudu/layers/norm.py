@@ -22,8 +22,8 @@ class RMSNorm(nn.Module):
         self._ext = kernels.load()
 
     def _native(self, x: torch.Tensor) -> bool:
-        return (self._ext is not None and not self.unit_offset and x.dtype == torch.float32 and x.dim() == 2
-                and self.weight.dtype == torch.float32)
+        return (self._ext is not None and not self.unit_offset and x.is_cpu and x.dtype == torch.float32
+                and x.dim() == 2 and self.weight.dtype == torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native(x):

@@ -21,6 +21,10 @@ class RotaryEmbedding:
         self.cos = emb.cos()
         self.sin = emb.sin()
 
+    def to(self, device: torch.device) -> RotaryEmbedding:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
@@ -36,8 +40,8 @@ def rotate_heads_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Ten
     """x: [T, heads_total, head_dim]; the first `heads` heads rotated (in place with the native kernel,
     kernels/ops.cpp, for float32; else by apply_rotary). Returns x."""
     ext = kernels.load()
-    if ext is not None and x.dtype == torch.float32 and cos.dtype == torch.float32 and x.stride(1) == x.shape[2] \
-            and x.stride(2) == 1:
+    if ext is not None and x.is_cpu and x.dtype == torch.float32 and cos.dtype == torch.float32 \
+            and x.stride(1) == x.shape[2] and x.stride(2) == 1:
         ext.rotary_(x, cos.contiguous(), sin.contiguous(), heads)
         return x
     x[:, :heads] = apply_rotary(x[:, :heads], cos, sin)

@@ -84,7 +84,7 @@ class LlamaForCausalLM(nn.Module):
         stays on the layers below."""
         self._native_decode = None
         ext = kernels.load()
-        if ext is None or self.model.norm.weight.dtype != torch.float32:
+        if ext is None or not self.model.norm.weight.is_cpu or self.model.norm.weight.dtype != torch.float32:
             return
         empty = torch.empty(0)
 

@@ -1,0 +1,58 @@
+"""Where the engine runs (`--device`) and in which dtype (`--dtype`), and what each device supports.
+
+CPU: the native kernels (kernels/): int8 / int4 weights, the one-call decode stack, the paged attention
+kernel, float32 activations by default.
+
+CUDA: the same network and scheduler on PyTorch's CUDA kernels. Weights run in --dtype (bfloat16 by
+default; GGUF checkpoints are dequantized at load), attention is SDPA over the paged pool gathered per
+step, and the batch's metadata is built on the host and copied over once per step. The logits of the rows
+to sample come back to the host, where the sampler runs exactly as on the CPU (so a seeded request draws
+the same way on either device). Not on CUDA yet, refused at load with a clear error:
+- `--quantization int8 | int4`: the quantized layers are the CPU kernels' tile layout;
+- `--speculative`: greedy speculation is lossless on the CPU because the kernels compute a row the same way
+  at any batch size (verifying k tokens = k plain steps, bit for bit); cuBLAS picks kernels by shape, so
+  a verified row can differ in the last bits from the plain step's and flip a near-tie.
+"""
+from __future__ import annotations
+
+import torch
+
+from sudu.errors import SuduError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`--device` -> a torch.device; auto picks CUDA when torch sees a GPU. A clear error when CUDA is asked
+    for and absent."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SuduError(f"--device {name}: this PyTorch build sees no CUDA GPU "
+                            f"(torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SuduError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+def resolve_dtype(config) -> torch.dtype:
+    """`--dtype` -> torch dtype; auto is float32 on the CPU, bfloat16 on CUDA."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    return torch.bfloat16 if resolve_device(config.device).type == "cuda" else torch.float32
+
+
+def check_supported(config) -> None:
+    """Refuse, before anything loads, what the chosen device cannot run (see the module docstring)."""
+    device = resolve_device(config.device)
+    if device.type == "cpu":
+        return
+    if config.quantization in ("int8", "int4"):
+        raise SuduError(f"--quantization {config.quantization} runs on sudu's CPU kernels only; on {device} use "
+                        "--quantization none (or auto), which runs the weights in --dtype")
+    if config.speculative != "none":
+        raise SuduError(f"--speculative runs on the CPU engine only for now: its greedy identity rests on kernels "
+                        f"that compute a row the same way at any batch size, which {device}'s cuBLAS does not "
+                        "promise (engine/placement.py)")

@@ -1,0 +1,154 @@
+"""The engine off the CPU (engine/placement.py).
+
+Everywhere: `--device` / `--dtype` resolve as documented and what CUDA cannot run yet is refused before
+anything loads. Where torch sees a CUDA GPU (not in CI, which has none; run on a GPU machine with
+`python -m pytest tests/test_device.py`): the engine's output on the GPU is checked token by token against
+transformers run on the same GPU, teacher-forced, so a near-tie between two logits cannot fail it but a wrong
+KV slot, mask or rotary position can.
+"""
+import os
+import random
+
+import pytest
+import torch
+
+from sudu.config import EngineConfig
+from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
+from sudu.errors import SuduError
+from sudu.sampling import SamplingParams
+from tests.tiny_models import build_hf_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+# the GPU tests' device; `SUDU_TEST_DEVICE=cpu` runs their bodies on the CPU's PyTorch path (a dry run of the
+# tests themselves; the skip still needs a GPU unless it is set)
+DEVICE = os.environ.get("SUDU_TEST_DEVICE", "cuda")
+needs_cuda = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
+
+
+def prompts_of(lengths, vocab=380, seed=0):
+    g = random.Random(seed)
+    return [[g.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def test_device_and_dtype_resolve_as_documented(monkeypatch):
+    with pytest.raises(ValueError, match="device must be"):
+        EngineConfig(device="tpu").validate()
+    with pytest.raises(ValueError, match="dtype must be"):
+        EngineConfig(dtype="fp8").validate()
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype(EngineConfig(device="cpu")) == torch.float32
+    assert resolve_dtype(EngineConfig(device="cpu", dtype="bfloat16")) == torch.bfloat16
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(SuduError, match="sees no CUDA GPU"):
+            resolve_device("cuda")
+    # what a GPU machine would resolve to (no GPU is touched: these only read torch.cuda's answers)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_dtype(EngineConfig()) == torch.bfloat16
+    with pytest.raises(SuduError, match="only 1 CUDA device"):
+        resolve_device("cuda:1")
+    check_supported(EngineConfig(device="cuda"))  # auto weights, float KV or int8 KV: fine
+    check_supported(EngineConfig(device="cuda", kv_cache_dtype="int8"))
+    for fmt in ("int8", "int4"):
+        with pytest.raises(SuduError, match="CPU kernels only"):
+            check_supported(EngineConfig(device="cuda", quantization=fmt))
+    with pytest.raises(SuduError, match="CPU engine only"):
+        check_supported(EngineConfig(device="cuda", speculative="ngram"))
+    check_supported(EngineConfig(device="cpu", quantization="int4", speculative="ngram"))
+
+
+def test_cli_refuses_a_missing_gpu_in_one_line(tiny_model_dirs, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from sudu.cli import main
+
+    rc = main(["generate", str(tiny_model_dirs["qwen2"]), "hi", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "sees no CUDA GPU" in err and "Traceback" not in err
+
+
+def teacher_forced_check(hf, prompt, tokens, logprobs, tol_logit, tol_logprob):
+    """Run the reference over prompt + tokens once; every generated token must be the reference's argmax up
+    to tol_logit (a near-tie may go either way), and its logprob the reference's up to tol_logprob. Returns
+    the share of tokens that are exactly the reference's argmax."""
+    device = next(hf.parameters()).device
+    ids = torch.tensor([prompt + tokens], device=device)
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1:-1].float()
+    ref_lp = torch.log_softmax(logits, dim=-1)
+    exact = 0
+    for i, tok in enumerate(tokens):
+        assert logits[i, tok] >= logits[i].max() - tol_logit, f"token {i}: {tok} is not the reference's choice"
+        assert abs(logprobs[i] - ref_lp[i, tok].item()) <= tol_logprob, f"token {i}: logprob off"
+        exact += int(tok == int(logits[i].argmax()))
+    return exact / len(tokens)
+
+
+def generate_checked(llm, hf, prompts, max_tokens, tol_logit, tol_logprob):
+    results = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, logprobs=0, **GREEDY))
+    shares = []
+    for p, r in zip(prompts, results):
+        assert len(r.token_ids) == max_tokens and r.finish_reason == "length"
+        lps = [lp.logprob for lp in r.outputs[0].logprobs]
+        shares.append(teacher_forced_check(hf, p, r.token_ids, lps, tol_logit, tol_logprob))
+    return sum(shares) / len(shares)
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma3"])
+def test_cuda_float32_matches_transformers_on_the_gpu(arch, tiny_model_dirs):
+    """float32 on the GPU (TF32 off): continuous batching of mixed lengths, prompts past the gemma window,
+    chunked prefill riding along with decodes."""
+    from sudu.engine.llm import LLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    hf = build_hf_model(arch, seed=0).to(DEVICE).eval()
+    llm = LLM(str(tiny_model_dirs[arch]), progress=False, device=DEVICE, dtype="float32",
+              max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    assert runner.device.type == DEVICE and runner.kv_caches[0].k.device.type == DEVICE
+    prompts = prompts_of([3, 11, 20, 40, 70, 1, 33, 9], seed=1)
+    share = generate_checked(llm, hf, prompts, 16, tol_logit=1e-3, tol_logprob=1e-3)
+    assert share >= 0.95
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@needs_cuda
+def test_cuda_default_dtype_is_bfloat16_and_close_to_float32(tiny_model_dirs):
+    from sudu.engine.llm import LLM
+
+    hf = build_hf_model("qwen2", seed=0).to(DEVICE).eval()
+    if DEVICE == "cuda":  # device auto -> cuda, dtype auto -> bfloat16
+        llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False)
+    else:
+        llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, device=DEVICE, dtype="bfloat16")
+    assert llm.engine.runner.dtype == torch.bfloat16
+    assert next(llm.engine.runner.model.parameters()).device.type == DEVICE
+    share = generate_checked(llm, hf, prompts_of([5, 30, 64], seed=2), 12, tol_logit=0.15, tol_logprob=0.15)
+    assert share >= 0.8
+
+
+@needs_cuda
+def test_cuda_int8_kv_cache(tiny_model_dirs):
+    from sudu.engine.llm import LLM
+
+    hf = build_hf_model("qwen2", seed=0).to(DEVICE).eval()
+    llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, device=DEVICE, dtype="float32", kv_cache_dtype="int8")
+    cache = llm.engine.runner.kv_caches[0]
+    assert cache.k.dtype == torch.int8 and cache.k.device.type == DEVICE and cache.k_scale.device.type == DEVICE
+    share = generate_checked(llm, hf, prompts_of([20, 45], seed=3), 12, tol_logit=0.5, tol_logprob=0.5)
+    assert share >= 0.8
+
+
+@needs_cuda
+def test_cuda_seeded_sampling_is_reproducible(tiny_model_dirs):
+    from sudu.engine.llm import LLM
+
+    llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, device=DEVICE, dtype="float32")
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    prompt = prompts_of([12], seed=4)
+    assert llm.generate(prompt, params)[0].token_ids == llm.generate(prompt, params)[0].token_ids
