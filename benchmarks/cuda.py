@@ -173,6 +173,67 @@ def bench_model(path: Path, args, rng: random.Random, bw_gbs: float) -> dict:
             "first_difference": agree}
 
 
+def profile(args) -> None:
+    """Where a batch's time goes: sudu at each batch size with the scheduler's auto prompt chunk and with a
+    fixed one (steps, ms per step), then cProfile and torch.profiler of one batch."""
+    import cProfile
+    import pstats
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sudu.engine.llm import LLM
+    from sudu.sampling import SamplingParams
+
+    global DEVICE
+    DEVICE = args.device
+    path = Path(args.assets) / args.models.split(",")[0]
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device(DEVICE):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    weights = Path("/tmp") / f"sudu-cuda-bench-{path.name}"
+    weights.mkdir(exist_ok=True)
+    hf.save_pretrained(weights, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (weights / f).write_bytes((path / f).read_bytes())
+    del hf
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    llms = {chunk: LLM(str(weights), progress=False, device=DEVICE, dtype="bfloat16", enable_prefix_caching=False,
+                       max_num_seqs=64, kv_cache_memory=8 << 30, prefill_chunk_when_decoding=chunk)
+            for chunk in args.chunks}
+
+    def once(llm, b):
+        eng = llm.engine
+        s0, t0 = eng.num_steps, sync_time()
+        llm.generate(random_prompts(b, 32, cfg.vocab_size, rng), params)
+        dt = sync_time() - t0
+        return dt, eng.num_steps - s0
+
+    for llm in llms.values():
+        once(llm, 4)
+    for b in args.batches:
+        for chunk, llm in llms.items():
+            dt, steps = once(llm, b)
+            print(f"batch {b:3} chunk {chunk or 'auto':>4}: {b * args.tokens / dt:8.1f} tok/s, {steps} steps, "
+                  f"{1000 * dt / steps:.2f} ms/step", flush=True)
+    if not args.trace:
+        return
+    llm, b = llms[args.chunks[-1]], max(args.batches)
+    pr = cProfile.Profile()
+    pr.enable()
+    once(llm, b)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    if DEVICE == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprofile
+
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            once(llm, b)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
 def run(args) -> None:
     global DEVICE
     DEVICE = args.device
@@ -200,9 +261,19 @@ def main() -> None:
     r.add_argument("--repeat", type=int, default=3)
     r.add_argument("--json", default=None, help="also write the figures here")
     r.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (slow, no figures)")
+    q = sub.add_parser("profile")
+    for name, default in (("--assets", ".devicebench"), ("--models", MODELS[0]), ("--device", "cuda")):
+        q.add_argument(name, default=default)
+    q.add_argument("--tokens", type=int, default=128)
+    q.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    q.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[0, 512],
+                   help="prefill_chunk_when_decoding per engine, built and run in this order (0 = auto)")
+    q.add_argument("--trace", action="store_true", help="then cProfile and torch.profiler one batch")
     args = ap.parse_args()
     if args.cmd == "prepare":
         prepare(Path(args.out), args.models.split(","))
+    elif args.cmd == "profile":
+        profile(args)
     else:
         run(args)
 

@@ -121,6 +121,22 @@ def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]
             cache.set_range(rec.k_max * KV_SCALE_MARGIN, rec.v_max * KV_SCALE_MARGIN)
 
 
+def context_slots(tables: list[list[int]], ends: list[int], block_size: int) -> list[torch.Tensor]:
+    """Per sequence, the pool slots of its positions 0..ends[i]-1 through its block table, computed for
+    the whole batch in a fixed number of tensor ops (this runs every step)."""
+    if len(tables) == 1:
+        pos = torch.arange(ends[0])
+        return [torch.tensor(tables[0])[pos // block_size] * block_size + pos % block_size]
+    flat = torch.tensor([b for t in tables for b in t])
+    n = torch.tensor(ends)
+    table_start = torch.tensor([0] + [len(t) for t in tables[:-1]]).cumsum(0)
+    seq_start = torch.cat([torch.zeros(1, dtype=torch.long), n[:-1].cumsum(0)])
+    which = torch.repeat_interleave(torch.arange(len(ends)), n)
+    pos = torch.arange(int(n.sum())) - seq_start[which]
+    slots = flat[table_start[which] + pos // block_size] * block_size + pos % block_size
+    return list(torch.split(slots, ends))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, max_model_len: int,
                  tokenizer=None):
@@ -183,12 +199,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled) -> torch.Tensor:
         """scheduled: list of ScheduledSeq. Returns float32 logits of the rows each sequence needs
-        (ScheduledSeq.num_logit_rows), concatenated in order."""
+        (ScheduledSeq.num_logit_rows), concatenated in order, on the engine's device (the sampler brings
+        to the host only what it needs)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         q_lens: list[int] = []
-        ctx_slots: list[torch.Tensor] = []
+        ends: list[int] = []
         sample_rows: list[int] = []
         row = 0
         for s in scheduled:
@@ -198,9 +215,7 @@ class ModelRunner:
             ids.extend(s.draft_token_ids)
             positions.extend(range(start, end))
             q_lens.append(s.num_new_tokens)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            pos = torch.arange(end)
-            ctx_slots.append(table[pos // bs] * bs + pos % bs)
+            ends.append(end)
             row += s.num_new_tokens
             sample_rows.extend(range(row - s.num_logit_rows, row))
         sliding_keys = None
@@ -211,12 +226,13 @@ class ModelRunner:
                 start = s.seq.num_computed_tokens
                 first = max(0, start + 1 - window)  # the earliest key the first new token can see
                 sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
+        ctx_slots = context_slots([s.seq.block_table for s in scheduled], ends, bs)
         meta = build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys)
         ids_t, positions_t = torch.tensor(ids), torch.tensor(positions)
-        if self.device.type != "cpu":  # one copy of the step's metadata; sampling stays on the host
+        if self.device.type != "cpu":  # one copy of the step's metadata
             meta = meta.to(self.device)
             ids_t, positions_t = ids_t.to(self.device), positions_t.to(self.device)
         hidden = self.model(ids_t, positions_t, meta)
         if not sample_rows:
             return torch.zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[sample_rows]).float().cpu()
+        return self.model.compute_logits(hidden[sample_rows]).float()

@@ -118,38 +118,59 @@ def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], ke
                window: int | None) -> AttentionView:
     """Sequence i has q_lens[i] new tokens at the end of ctx_lens[i] positions and sees the keys at
     positions key_starts[i]..ctx_lens[i]-1, held in key_slots[i]."""
-    slot_parts, seqs, small = [], [], []
+    slot_parts, seqs, small, small_rows = [], [], [], []
     row = 0
     for i, (q_len, ctx_len, k0, slots) in enumerate(zip(q_lens, ctx_lens, key_starts, key_slots)):
         slot_parts.append(slots[slots.numel() - q_len:])
-        start = ctx_len - q_len
-        q_pos = torch.arange(start, ctx_len)[:, None]
-        k_pos = torch.arange(k0, ctx_len)[None, :]
-        mask = k_pos <= q_pos
-        if window:
-            mask &= q_pos - k_pos < window
         if q_len <= SMALL_Q:
-            small.append((i, row, mask))
+            small.append(i)
+            small_rows.append(row)
         else:
+            start = ctx_len - q_len
             plain_causal = start == 0 and k0 == 0 and not (window and ctx_len > window)
-            seqs.append(SeqAttention(row, q_len, slots, None if plain_causal else mask))
+            mask = None
+            if not plain_causal:
+                q_pos = torch.arange(start, ctx_len)[:, None]
+                k_pos = torch.arange(k0, ctx_len)[None, :]
+                mask = k_pos <= q_pos
+                if window:
+                    mask &= q_pos - k_pos < window
+            seqs.append(SeqAttention(row, q_len, slots, mask))
         row += q_len
-    decode = None
-    if small:
-        width = max(key_slots[i].numel() for i, _, _ in small)
-        max_q = max(q_lens[i] for i, _, _ in small)
-        rows = torch.full((len(small), max_q), -1, dtype=torch.long)
-        slots = torch.zeros(len(small), width, dtype=torch.long)
-        mask = torch.zeros(len(small), max_q, width, dtype=torch.bool)
-        mask[:, :, 0] = True
-        for b, (i, r, m) in enumerate(small):
-            n, q = key_slots[i].numel(), q_lens[i]
-            rows[b, :q] = torch.arange(r, r + q)
-            slots[b, :n] = key_slots[i]
-            mask[b, :q, :n] = m
-        decode = DecodeBatch(rows, slots, mask[:, None], padded=any(q_lens[i] < max_q for i, _, _ in small))
+    decode = _decode_batch(small, small_rows, q_lens, ctx_lens, key_starts, key_slots, window) if small else None
     slot_mapping = torch.cat(slot_parts) if slot_parts else torch.zeros(0, dtype=torch.long)
     return AttentionView(slot_mapping, seqs, decode)
+
+
+def _decode_batch(small: list[int], first_rows: list[int], q_lens: list[int], ctx_lens: list[int],
+                  key_starts: list[int], key_slots: list[torch.Tensor], window: int | None) -> DecodeBatch:
+    """The few-new-token sequences `small` as one padded batch, built with a fixed number of tensor ops
+    whatever the batch size (per-step host work: it runs every decode step)."""
+    # per sequence: new tokens, keys, first key's position, first new token's position, its row
+    info = torch.tensor([[q_lens[i], key_slots[i].numel(), key_starts[i], ctx_lens[i] - q_lens[i], r]
+                         for i, r in zip(small, first_rows)])
+    max_q = max(q_lens[i] for i in small)
+    padded = any(q_lens[i] < max_q for i in small)
+    if len(small) == 1:
+        slots = key_slots[small[0]][None]
+    else:  # padding: slot 0
+        slots = torch.nn.utils.rnn.pad_sequence([key_slots[i] for i in small], batch_first=True)
+    cols = torch.arange(slots.shape[1])
+    k_pos = info[:, 2:3] + cols  # [B, width]
+    if max_q == 1:  # decodes: the one new token is the last position, so it sees every key it has
+        mask = cols < info[:, 1:2]
+        if window:
+            mask &= info[:, 3:4] - k_pos < window
+        return DecodeBatch(info[:, 4:5].clone(), slots, mask[:, None, None, :])
+    j = torch.arange(max_q)
+    q_pos = (info[:, 3:4] + j)[:, :, None]  # [B, max_q, 1]
+    valid_q = j < info[:, 0:1]  # [B, max_q]
+    mask = (k_pos[:, None, :] <= q_pos) & (cols < info[:, 1:2])[:, None, :] & valid_q[:, :, None]
+    if window:
+        mask &= q_pos - k_pos[:, None, :] < window
+    mask[:, :, 0] |= ~valid_q  # padding queries see key 0, never NaN
+    rows = torch.where(valid_q, info[:, 4:5] + j, -1)
+    return DecodeBatch(rows, slots, mask[:, None], padded=padded)
 
 
 def build_metadata(

@@ -33,7 +33,7 @@ class SampledToken:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of [R, V] logits, as torch.argmax(dim=-1) (the first among equals; NaN counts as
     largest). The native kernel takes ~10 us for a 152K vocabulary where torch's CPU argmax takes ~130."""
-    ext = kernels.load()
+    ext = kernels.load() if logits.is_cpu else None
     if ext is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1]:
         return ext.argmax_rows(logits)
     return logits.argmax(-1)
@@ -77,14 +77,18 @@ class Sampler:
         self.shared_generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        """logits: [len(rows), V] on any device. Off the CPU, greedy rows take their argmax there (only the
+        ids come back); a sampled row comes to the host alone, so draws use the same CPU generators either
+        way; penalties and logprobs bring the whole batch to the host."""
         logits = logits.float()
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        wants_logprobs = any(r.params.logprobs is not None for r in rows)
         needs_penalty = any(
             r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
             for r in rows
         )
+        if not logits.is_cpu and (wants_logprobs or needs_penalty):
+            logits = logits.cpu()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if needs_penalty:
             logits = logits.clone()
         greedy_ids = None
@@ -97,7 +101,7 @@ class Sampler:
                     greedy_ids = argmax_rows(logits).tolist()
                 token = greedy_ids[i] if greedy_ids is not None else int(argmax_rows(row_logits[None])[0])
             else:
-                probs = filter_logits(row_logits, p).softmax(-1)
+                probs = filter_logits(row_logits.cpu(), p).softmax(-1)
                 gen = row.generator or self.shared_generator
                 token = int(torch.multinomial(probs, 1, generator=gen))
             sampled = SampledToken(token)
