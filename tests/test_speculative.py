@@ -81,6 +81,22 @@ def test_greedy_identical_with_speculation(engines, spec, batch, draft_vocab):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def test_quantized_draft_model_drafts_through_an_int4_head(engines):
+    """With quantized weights the draft's head runs int4 (DRAFT_HEAD_FORMAT) while the target keeps its own
+    format; the output stays exactly plain decoding's."""
+    from sudu.layers.linear import QuantizedLinear
+
+    llm = engines("draft", quantization="int8", speculative_max_batch=64)
+    head = llm.engine.drafter.runner.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.fmt == "int4"
+    assert llm.engine.runner.model.lm_head.fmt == "int8"
+    ps = prompts(16, seed=41)
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    plain = [r.token_ids for r in engines(quantization="int8").generate(ps, params)]
+    assert [r.token_ids for r in llm.generate(ps, params)] == plain
+    assert llm.engine.num_draft_tokens > 0
+
+
 def test_acceptance_is_reported_per_request(engines):
     llm = engines("ngram", speculative_max_batch=64)
     r = llm.generate([prompts(1, 3)[0]], SamplingParams(max_tokens=30, **GREEDY))[0]

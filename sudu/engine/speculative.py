@@ -158,6 +158,22 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
     return new.eval().requires_grad_(False)
 
 
+# A quantized draft model's output head runs int4 whatever the target's head runs (auto gives the target an
+# int8 head for its accuracy; the draft only proposes, so its head's precision moves acceptance, never
+# output). Measured with the 0.5B drafting for the 1.5B on the gen prompts (ad-hoc script, two rounds, one
+# process, alternating): 50.5 / 52.2 tok/s against 47.9 / 49.8 with the int8 head, acceptance 0.83 vs 0.84.
+DRAFT_HEAD_FORMAT = "int4"
+
+
+def requantized(head: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """A quantized head in format fmt (from its own dequantized weights); other heads as they are."""
+    from sudu.layers.linear import QuantizedLinear
+
+    if not isinstance(head, QuantizedLinear) or head.fmt == fmt:
+        return head
+    return QuantizedLinear.from_float(fmt, head.dequantized_weight(torch.float32), head.bias, head.group_size)
+
+
 class DraftModelDrafter:
     """A small model proposing tokens autoregressively for a larger one with the same tokenizer."""
 
@@ -174,11 +190,13 @@ class DraftModelDrafter:
                             "speculative decoding needs identical vocabularies")
         self.vocab_size = target_config.vocab_size
         dtype = resolve_dtype(engine_config)
-        net, _ = prepare_network(ckpt, engine_config)
+        net, fmt = prepare_network(ckpt, engine_config)
         self.keep = draft_vocabulary(ckpt.tokenizer, min(ckpt.config.vocab_size, self.vocab_size),
                                      engine_config.speculative_draft_vocab)
         if self.keep is not None:
             net.lm_head = head_rows(net.lm_head, self.keep)
+        if fmt != "none":
+            net.lm_head = requantized(net.lm_head, DRAFT_HEAD_FORMAT)
         max_len = min(ckpt.config.max_position_embeddings, target_config.max_position_embeddings)
         # room to shadow every token the target's pool can hold, plus the drafts in flight
         pool_bytes = (target_pool_tokens + 64 * engine_config.block_size) * kv_bytes_per_token(ckpt.config, dtype, engine_config.kv_cache_dtype)
