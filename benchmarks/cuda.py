@@ -138,9 +138,11 @@ def bench_model(path: Path, args, rng: random.Random, bw_gbs: float) -> dict:
         weight_bytes -= hf.get_input_embeddings().weight.numel() * 2  # one embedding row is read, not all
     rows: dict[str, dict[str, list[float]]] = {s.name: {} for s in sides}
     agree = []
-    for side in sides:  # warm-up: CUDA contexts, kernels' first launches
-        side.generate(random_prompts(1, 32, vocab, rng), 4)
-        side.generate(random_prompts(max(args.batches), 32, vocab, rng), 4)
+    for side in sides:  # warm-up at every measured shape (a 4-token warm-up left the first repeat 3x slow)
+        side.generate(random_prompts(1, 32, vocab, rng), n)
+        side.generate(random_prompts(1, 512, vocab, rng), 1)
+        for bsz in args.batches:
+            side.generate(random_prompts(bsz, 32, vocab, rng), n)
     for r in range(args.repeat):
         same_prompt = random_prompts(1, 32, vocab, rng)
         outs = {}
