@@ -87,11 +87,11 @@ class HF:
 class Sudu:
     name = "sudu"
 
-    def __init__(self, path: Path, max_seqs: int):
+    def __init__(self, path: Path, max_seqs: int, **engine):
         from sudu.engine.llm import LLM
 
         self.llm = LLM(str(path), progress=False, device=DEVICE, dtype="bfloat16", enable_prefix_caching=False,
-                       max_num_seqs=max_seqs, kv_cache_memory=8 << 30)
+                       max_num_seqs=max_seqs, kv_cache_memory=8 << 30, **engine)
 
     def generate(self, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
         from sudu.sampling import SamplingParams
@@ -117,7 +117,9 @@ def fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):9.1f} [{min(xs):.1f}-{max(xs):.1f}]"
 
 
-def bench_model(path: Path, args, rng: random.Random, bw_gbs: float) -> dict:
+def random_model(path: Path):
+    """(config, transformers model, directory sudu loads): seeded random bf16 weights in the shapes of
+    path's config.json, saved with path's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(path)
@@ -131,6 +133,11 @@ def bench_model(path: Path, args, rng: random.Random, bw_gbs: float) -> dict:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (weights / f).write_bytes((path / f).read_bytes())
     print(f"[{path.name}] random bf16 weights built and saved in {time.perf_counter() - t0:.0f} s", flush=True)
+    return cfg, hf, weights
+
+
+def bench_model(path: Path, args, rng: random.Random, bw_gbs: float) -> dict:
+    cfg, hf, weights = random_model(path)
     sides = [Sudu(weights, max(args.batches + [1])), HF(hf)]
     vocab, n = cfg.vocab_size, args.tokens
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
@@ -181,28 +188,15 @@ def profile(args) -> None:
     import cProfile
     import pstats
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
 
     global DEVICE
     DEVICE = args.device
-    path = Path(args.assets) / args.models.split(",")[0]
-    cfg = AutoConfig.from_pretrained(path)
-    with torch.device(DEVICE):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    weights = Path("/tmp") / f"sudu-cuda-bench-{path.name}"
-    weights.mkdir(exist_ok=True)
-    hf.save_pretrained(weights, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (weights / f).write_bytes((path / f).read_bytes())
+    cfg, hf, weights = random_model(Path(args.assets) / args.models.split(",")[0])
     del hf
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    llms = {chunk: LLM(str(weights), progress=False, device=DEVICE, dtype="bfloat16", enable_prefix_caching=False,
-                       max_num_seqs=64, kv_cache_memory=8 << 30, prefill_chunk_when_decoding=chunk)
-            for chunk in args.chunks}
+    llms = {chunk: Sudu(weights, 64, prefill_chunk_when_decoding=chunk).llm for chunk in args.chunks}
 
     def once(llm, b):
         eng = llm.engine

@@ -3,11 +3,11 @@
 Decode at batch 1 reads every weight once per token, so tokens/s can never beat
     bandwidth / bytes read per token.
 It measures the CPU (the engine runs with --device cpu): the bandwidth (a timed sum over a 1 GiB tensor,
-median of several, right after each format's decode measurement, since a VM's bandwidth can move during the run), counts the bytes a
-decode step reads per weight format (every linear layer incl. lm_head at that format's bytes per weight,
-plus one embedding row, norms and biases; the KV cache is left out: at the short contexts measured here
-it is well under 1% of the weights), and sets next to each limit the decode tok/s sudu's engine achieves
-(greedy, ignore_eos, one stream) and the fraction of the limit.
+median of several, right after each format's decode measurement, since a VM's bandwidth can move during
+the run), counts the bytes a decode step reads per weight format (every linear layer incl. lm_head at
+that format's bytes per weight, plus one embedding row, norms and biases; the KV cache is left out: at
+the short contexts measured here it is well under 1% of the weights), and sets next to each limit the
+decode tok/s sudu's engine achieves (greedy, ignore_eos, one stream) and the fraction of the limit.
 """
 from __future__ import annotations
 

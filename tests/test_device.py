@@ -7,7 +7,6 @@ transformers run on the same GPU, teacher-forced, so a near-tie between two logi
 KV slot, mask or rotary position can.
 """
 import os
-import random
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from sudu.config import EngineConfig
 from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
 from sudu.errors import SuduError
 from sudu.sampling import SamplingParams
+from tests.test_engine import prompts_of
 from tests.tiny_models import build_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -23,11 +23,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 # tests themselves; the skip still needs a GPU unless it is set)
 DEVICE = os.environ.get("SUDU_TEST_DEVICE", "cuda")
 needs_cuda = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
-
-
-def prompts_of(lengths, vocab=380, seed=0):
-    g = random.Random(seed)
-    return [[g.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def test_device_and_dtype_resolve_as_documented(monkeypatch):

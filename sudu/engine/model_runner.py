@@ -234,5 +234,5 @@ class ModelRunner:
             ids_t, positions_t = ids_t.to(self.device), positions_t.to(self.device)
         hidden = self.model(ids_t, positions_t, meta)
         if not sample_rows:
-            return torch.zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)
+            return hidden.new_zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[sample_rows]).float()

@@ -5,9 +5,10 @@ kernel, float32 activations by default.
 
 CUDA: the same network and scheduler on PyTorch's CUDA kernels. Weights run in --dtype (bfloat16 by
 default; GGUF checkpoints are dequantized at load), attention is SDPA over the paged pool gathered per
-step, and the batch's metadata is built on the host and copied over once per step. The logits of the rows
-to sample come back to the host, where the sampler runs exactly as on the CPU (so a seeded request draws
-the same way on either device). Not on CUDA yet, refused at load with a clear error:
+step, and the batch's metadata is built on the host and copied over once per step. Greedy rows take their
+argmax on the device (only the ids come back); a sampled row, and a batch with penalties or logprobs, comes
+to the host, where the sampler runs exactly as on the CPU (so a seeded request draws with the same CPU
+generators on either device). Not on CUDA yet, refused at load with a clear error:
 - `--quantization int8 | int4`: the quantized layers are the CPU kernels' tile layout;
 - `--speculative`: greedy speculation is lossless on the CPU because the kernels compute a row the same way
   at any batch size (verifying k tokens = k plain steps, bit for bit); cuBLAS picks kernels by shape, so
