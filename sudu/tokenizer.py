@@ -30,6 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as RustTokenizer
 
 from sudu.errors import SuduError
+from sudu.paths import sudu_home
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -289,9 +290,14 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader_or_path) -> "Tokenizer":
-        from sudu.weights.gguf import open_gguf
+        """From a GGUF file's metadata: sudu's parsed file (weights/gguf.py), a `gguf.GGUFReader`, or a
+        path, read here with `gguf.GGUFReader`."""
+        if isinstance(reader_or_path, (str, Path)):
+            import gguf
 
-        reader = open_gguf(reader_or_path) if isinstance(reader_or_path, (str, Path)) else reader_or_path
+            reader = gguf.GGUFReader(reader_or_path)
+        else:
+            reader = reader_or_path
         kind = _field(reader, "tokenizer.ggml.model")
         arch = _field(reader, "general.architecture")
         tokens = _field(reader, "tokenizer.ggml.tokens")
@@ -362,8 +368,6 @@ _BACKEND_CACHE_VERSION = "2"  # bump when the way a backend is built from metada
 def _cached_backend(inputs: tuple, build) -> RustTokenizer:
     """SentencePiece merges are rebuilt from the vocabulary (~3 s for Gemma's 262k tokens); the result is
     cached as tokenizer.json under $SUDU_HOME/tokenizers, keyed by a hash of everything the build reads."""
-    from sudu.weights.catalog import sudu_home
-
     digest = hashlib.sha256(_BACKEND_CACHE_VERSION.encode())
     for part in inputs:
         digest.update(b"\x00" + json.dumps(part, ensure_ascii=False).encode())

@@ -348,7 +348,7 @@ def test_tokenizer_from_gguf_reader_or_path(tmp_path):
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "qwen2")
-    by_path, by_reader = Tokenizer.from_gguf(path), Tokenizer.from_gguf(gguf.GGUFReader(path))
+    by_path, by_reader = Tokenizer.from_gguf(path), Tokenizer.from_gguf(G.open_gguf(path))
     text = "<|im_start|>hi 你好<|im_end|>"
     assert by_path.encode(text) == by_reader.encode(text) and by_path.eos_token_ids == by_reader.eos_token_ids
     assert by_path.chat_template == by_reader.chat_template is not None

@@ -303,3 +303,17 @@ def test_tiny_vocabularies_match_transformers(tmp_path, build):
         ids = tok.encode(text)
         assert ids == hf.encode(text), text
         assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+
+
+def test_tokenizer_does_not_import_weights():
+    # weights/loader.py builds tokenizers, so tokenizer.py must not reach back into weights/ (not even
+    # inside a function): shared paths come from sudu.paths, GGUF metadata from the caller or `gguf`.
+    import ast
+    import inspect
+
+    import sudu.tokenizer
+
+    tree = ast.parse(inspect.getsource(sudu.tokenizer))
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m and m.startswith("sudu.weights")]

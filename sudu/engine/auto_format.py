@@ -33,6 +33,7 @@ import torch
 from sudu.layers import linear
 from sudu.layers.attention import build_metadata
 from sudu.layers.kv_cache import KVCache, calibration_ids
+from sudu.paths import sudu_home
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,6 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, token_ids: list[int]
 
 
 def _cache_path() -> Path:
-    from sudu.weights.catalog import sudu_home
-
     return sudu_home() / "auto_format.json"
 
 

@@ -20,6 +20,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from sudu.paths import sudu_home
+
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "attention.cpp", "ops.cpp", "decoder.cpp")]
@@ -49,8 +51,7 @@ def _headers_sha() -> str:
 
 
 def build_dir() -> Path:
-    home = Path(os.environ.get("SUDU_HOME") or "~/.cache/sudu").expanduser()
-    return home / "torch_extensions" / "sudu_kernels"
+    return sudu_home() / "torch_extensions" / "sudu_kernels"
 
 
 def disabled_reason() -> str | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sudu.errors import ModelNotFoundError, SuduError
+from sudu.paths import models_dir
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 _READ_CHUNK_BYTES = 8 << 20
@@ -107,14 +108,6 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
     )
 }
-
-
-def sudu_home() -> Path:
-    return Path(os.environ.get("SUDU_HOME") or "~/.cache/sudu").expanduser()
-
-
-def models_dir() -> Path:
-    return sudu_home() / "models"
 
 
 def get_entry(name: str) -> CatalogEntry:
