@@ -38,6 +38,11 @@ class EngineConfig:
     prefill_chunk_when_decoding: int = 0
     max_itl_factor: float = 2.0
     enable_prefix_caching: bool = True
+    # the context cache's disk tier (cache/disk_store.py): blocks written through as they fill, found again
+    # across requests, restarts and servers sharing the directory. Size: 0 = off (the default here and in
+    # the Python API), auto = min(10 GiB, 20% of the free space) (`sudu serve`'s default), or bytes (8GiB)
+    disk_cache_size: str = "0"
+    disk_cache_dir: str | None = None  # None -> $SUDU_HOME/kvcache
     speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
     # most draft tokens per sequence per step (adapted per sequence); 0 = the drafter's own default:
     # 7 for n-gram lookup (free to draft), 4 for a draft model (measured: docs/benchmarks.md)
@@ -74,6 +79,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if str(self.disk_cache_size).strip().lower() not in ("auto", "off"):
+            try:
+                if _parse_bytes(str(self.disk_cache_size)) < 0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"disk_cache_size must be 0, auto or a size such as 8GiB, got {self.disk_cache_size!r}") from None
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 

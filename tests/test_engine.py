@@ -302,7 +302,7 @@ def test_int8_kv_scales_cover_the_calibration_pass(llms, arch, monkeypatch):
 
 
 def test_gemma_sliding_layers_keep_only_their_window(llms, tiny_model_dirs):
-    """Hybrid attention: with the ring layout, Gemma's sliding-window layers hold at most a window (plus
+    """Hybrid attention: in the default layout, Gemma's sliding-window layers hold at most a window (plus
     one step) of each sequence, whatever its length, and the output equals the transformers reference
     and the full layout, for prompts far longer than the window (8 in the tiny model)."""
     hf = build_hf_model("gemma3", seed=0)
@@ -321,12 +321,12 @@ def test_gemma_sliding_layers_keep_only_their_window(llms, tiny_model_dirs):
     while eng.has_unfinished():
         for out in eng.step():
             results.setdefault(out.request_id, []).extend(t for o in out.outputs for t in o.token_ids)
-        peak = max([peak] + [len(s.sliding_block_table) for s in eng.scheduler.running])
-    assert peak == sliding.ring_blocks  # 110 tokens would need 7 blocks; the ring holds 3
+        peak = max([peak] + [sliding.num_held(s) for s in eng.scheduler.running])
+    assert peak == sliding.ring_blocks  # 110 tokens would need 7 blocks; the window holds 3
     got = [results[f"g{i}"] for i in range(2)]
     assert got == [reference_greedy(hf, p, 20) for p in prompts]
     assert got == [r.token_ids for r in full.generate(prompts, params)]
-    assert len(sliding.free) == sliding.num_blocks
+    assert sliding.pool.num_free == sliding.num_blocks
 
 
 def test_auto_chunk_budget_keeps_mixed_steps_within_the_itl_factor():

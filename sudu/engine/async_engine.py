@@ -72,6 +72,7 @@ class AsyncLLMEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
             self._thread = None
+        await asyncio.to_thread(self.engine.close)
 
     # ---- requests -------------------------------------------------------------------------------
     def num_unfinished(self) -> int:

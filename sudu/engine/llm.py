@@ -27,6 +27,7 @@ class GenerationResult:
     outputs: list[Completion]
     num_cached_tokens: int
     metrics: RequestMetrics
+    num_cached_tokens_disk: int = 0  # of num_cached_tokens, loaded from the disk tier
 
     @property
     def text(self) -> str:
@@ -85,5 +86,10 @@ class LLM:
                         c.logprobs = (c.logprobs or []) + o.logprobs
                     c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
                 res.num_cached_tokens = out.num_cached_tokens
+                res.num_cached_tokens_disk = out.num_cached_tokens_disk
                 res.metrics = out.metrics
         return [results[rid] for rid in ids]
+
+    def close(self) -> None:
+        """Finish the context cache's queued disk writes (see LLMEngine.close)."""
+        self.engine.close()

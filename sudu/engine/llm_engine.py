@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sudu.config import EngineConfig
-from sudu.engine.block_manager import BlockManager
+from sudu.cache.context import build_block_manager
 from sudu.engine.model_runner import ModelRunner, prepare_network
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from sudu.engine.scheduler import Scheduler
@@ -58,10 +58,7 @@ class LLMEngine:
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len, self.tokenizer)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          sliding=self.runner.sliding_blocks)
-        if self.runner.sliding_blocks is not None and config.enable_prefix_caching:
-            log.info("sliding-window layers keep only their window (sliding_window_kv=ring): prefix cache off")
+        self.block_manager = build_block_manager(config, ckpt, self.quantization, self.runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_when_decoding, config.max_itl_factor)
         self.sampler = Sampler(config.seed)
@@ -328,11 +325,18 @@ class LLMEngine:
         if finished:
             state.metrics.finished_time = time.perf_counter()
             del self.requests[state.request_id]
+        first = state.seqs[0]
+        state.metrics.disk_load_s = first.disk_load_s
         return RequestOutput(
             request_id=state.request_id, prompt_token_ids=state.prompt_token_ids, outputs=outputs,
-            finished=finished, num_cached_tokens=state.seqs[0].num_cached_tokens or 0,
-            metrics=state.metrics, error=state.error,
+            finished=finished, num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=state.metrics, error=state.error, num_cached_tokens_disk=first.num_cached_tokens_disk,
         )
+
+    def close(self) -> None:
+        """Let the context cache's disk writer finish what it has queued (blocks still in RAM are on disk
+        already or were dropped: they are written through as they fill)."""
+        self.block_manager.close()
 
     # ---- introspection ------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -343,6 +347,8 @@ class LLMEngine:
             "kv_cache_usage": bm.usage,
             "prefix_cache_queries": bm.stats.queries,
             "prefix_cache_hits": bm.stats.hits,
+            "prefix_cache_hits_disk": bm.stats.disk_hits,
+            **bm.disk_stats(),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,

@@ -153,6 +153,7 @@ class ModelRunner:
         sliding_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sliding(i)]
         use_ring = bool(self.sliding_window) and config.sliding_window_kv == "ring"
         ring_layers = set(sliding_layers) if use_ring else set()
+        self.ring_layers = ring_layers  # layers whose KV lives in the sliding pool (SlidingWindowBlocks)
         layer_bytes = layer_kv_bytes_per_token(config.kv_cache_dtype, model_cfg.num_key_value_heads, model_cfg.head_dim,
                                      self.dtype)
         budget = self._kv_budget_bytes(max_model_len)

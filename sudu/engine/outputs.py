@@ -36,6 +36,7 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0  # verification passes
+    disk_load_s: float = 0.0  # loading prompt blocks from the context cache's disk tier
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -71,6 +72,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # deltas of the choices that advanced (or finished) this step
     finished: bool  # every choice has finished
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (RAM and disk)
     metrics: RequestMetrics
+    num_cached_tokens_disk: int = 0  # of those, loaded from the disk tier
     error: str | None = None  # set when the engine failed this request (the output is then finished)

@@ -167,8 +167,10 @@ class Scheduler:
                 break
             if seq.num_cached_tokens is None:  # first admission (not a re-admission after preemption)
                 seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+                seq.num_cached_tokens_disk = min(seq.disk_hit_tokens, seq.num_cached_tokens)
                 bm.stats.queries += seq.num_prompt_tokens
                 bm.stats.hits += seq.num_cached_tokens
+                bm.stats.disk_hits += seq.num_cached_tokens_disk
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             admitted.append(seq)

@@ -33,10 +33,14 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    sliding_block_table: list[int] = field(default_factory=list)  # ring of the sliding-window layers
+    sliding_block_table: list[int | None] = field(default_factory=list)  # sliding-window layers' blocks
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
+    num_cached_tokens_disk: int = 0  # of those, loaded from the disk tier
+    block_hashes: list[bytes] = field(default_factory=list)  # ids of its leading full blocks (memo)
+    disk_hit_tokens: int = 0  # tokens the latest prefix match loaded from disk
+    disk_load_s: float = 0.0  # seconds spent loading its blocks from disk
     generator: torch.Generator | None = None
     # text bookkeeping (engine side)
     detokenizer: object = None

@@ -1,0 +1,83 @@
+"""The engine's context cache, put together at load: its namespace (what the ids are rooted in) and its
+disk tier (opened, or refused with one warning so the engine serves without it)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from pathlib import Path
+
+from sudu.cache.block_hash import fingerprint_path, make_namespace, tensor_digest
+from sudu.cache.disk_store import DiskCacheUnavailable, DiskKVStore, auto_size, default_dir
+
+log = logging.getLogger(__name__)
+
+
+def model_identity(model: str, path: Path) -> str:
+    """The catalog's SHA-256 for a catalog name, else a content fingerprint of the file or directory."""
+    from sudu.weights.catalog import get_entry
+
+    try:
+        return "sha256:" + get_entry(model).sha256
+    except Exception:  # not a catalog name: a path
+        return fingerprint_path(path)
+
+
+def engine_namespace(config, model_cfg, model_path: Path, weight_format: str, kv_caches: list,
+                     dtype, device) -> tuple[bytes, dict]:
+    """(namespace id, its description): everything that makes a token's KV bytes differ."""
+    scales = [tensor_digest(c.k_scale) + tensor_digest(c.v_scale) for c in kv_caches
+              if getattr(c, "k_scale", None) is not None]
+    description = {
+        "model": config.model,
+        "model_identity": model_identity(config.model, model_path),
+        "weight_format": weight_format,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "kv_scales": hashlib.sha256("".join(scales).encode()).hexdigest() if scales else None,
+        "block_size": config.block_size,
+        "model_config": dataclasses.asdict(model_cfg),  # RoPE (theta, scaling, local base), heads, layers
+    }
+    return make_namespace(description), description
+
+
+def disk_cache_bytes(config, root: Path) -> int:
+    """The disk tier's size from config.disk_cache_size: 0 = off."""
+    from sudu.config import _parse_bytes
+
+    text = str(config.disk_cache_size).strip().lower()
+    if text == "off":
+        return 0
+    if text == "auto":
+        return auto_size(root)
+    return _parse_bytes(text)
+
+
+def open_disk_store(config, namespace: bytes, payload_nbytes: int, description: dict) -> DiskKVStore | None:
+    """The disk tier, or None when it is off or cannot be used here (one warning; serving goes on)."""
+    root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else default_dir()
+    try:
+        size = disk_cache_bytes(config, root)
+        if size == 0:
+            return None
+        store = DiskKVStore(root, namespace, payload_nbytes, size, description=description)
+    except (DiskCacheUnavailable, OSError) as e:
+        log.warning("disk KV cache off: %s", e)
+        return None
+    log.info("disk KV cache: %s (namespace %s, up to %.1f GiB)", root, namespace.hex(), size / 2**30)
+    return store
+
+
+def build_block_manager(config, ckpt, weight_format: str, runner):
+    """The engine's block manager with its context cache: ids rooted in this engine's namespace, and the
+    disk tier when config asks for one (and the directory can hold it)."""
+    from sudu.cache.block_io import KVBlockIO
+    from sudu.engine.block_manager import BlockManager
+
+    namespace, description = engine_namespace(config, ckpt.config, ckpt.path, weight_format, runner.kv_caches,
+                                              runner.dtype, runner.device)
+    block_io = KVBlockIO(runner.kv_caches, runner.ring_layers, config.block_size)
+    disk = open_disk_store(config, namespace, block_io.nbytes, description) if config.enable_prefix_caching else None
+    return BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                        sliding=runner.sliding_blocks, namespace=namespace, disk=disk, block_io=block_io)
