@@ -1,6 +1,8 @@
 """Each architecture's forward pass equals the transformers reference (fp32, 1e-4), for a batch of
 prompts of different lengths in one flat forward pass, and when the same tokens arrive in pieces
 (cached prefix, then chunk, then single-token decodes) through the paged KV pool."""
+import tempfile
+
 import pytest
 import torch
 
@@ -8,15 +10,23 @@ from sudu.layers.attention import build_metadata
 from sudu.layers.kv_cache import KVCache
 from sudu.models import build_model
 from sudu.models.config import ModelConfig
+from sudu.weights import safetensors as st_weights
 from tests.tiny_models import build_hf_model
 
-ARCHS = ["qwen2", "llama", "gemma3"]
+ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral"]
 
 
 def sudu_from_hf(hf) -> torch.nn.Module:
+    """sudu's network with the reference's weights, read as a checkpoint on disk holds them (save_pretrained
+    writes experts one tensor each, as published checkpoints do; in memory transformers stacks them)."""
     cfg = ModelConfig.from_hf_config(hf.config.to_dict())
     model = build_model(cfg).eval()
-    model.load_state_dict(hf.state_dict(), strict=True)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        state = dict(st_weights.iter_tensors(d, arch=cfg.architecture))
+    if cfg.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.load_state_dict(state, strict=True)
     return model
 
 

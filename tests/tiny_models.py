@@ -42,7 +42,8 @@ def build_tokenizer():
 
 
 def hf_config(arch: str, **overrides):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma3TextConfig, LlamaConfig, MixtralConfig,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -58,6 +59,32 @@ def hf_config(arch: str, **overrides):
             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
             **common,
         )
+    elif arch == "qwen3":
+        cfg = Qwen3Config(num_hidden_layers=2, tie_word_embeddings=True, rope_theta=1000000.0, **common)
+    elif arch == "qwen2moe":  # layer 1 dense (mlp_only_layers), the others routed with a gated shared expert
+        cfg = Qwen2MoeConfig(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=64, mlp_only_layers=[1], tie_word_embeddings=False,
+                             **common)
+    elif arch == "qwen3moe":
+        cfg = Qwen3MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                             norm_topk_prob=True, **common)
+    elif arch == "mixtral":
+        cfg = MixtralConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **common)
+    elif arch in ("deepseek_v3", "deepseek_v2"):
+        # MLA (q and kv low-rank, decoupled rope dims), YaRN, first layer dense, then routed + shared experts;
+        # V3: sigmoid scores, correction bias, 4 groups of 4 with 2 eligible
+        mla = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_hidden_layers=3,
+                   first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                   n_group=4, topk_group=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 0.8, "mscale_all_dim": 0.8})
+        if arch == "deepseek_v3":
+            cfg = DeepseekV3Config(routed_scaling_factor=2.5, norm_topk_prob=True, **mla)
+        else:
+            cfg = DeepseekV2Config(routed_scaling_factor=1.5, topk_method="group_limited_greedy", **mla)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
@@ -73,10 +100,16 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
     cfg = hf_config(arch, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     with torch.no_grad():
-        # random init leaves norms at identity; perturb them so the norm convention is really tested
+        # random init leaves norms at identity and routers/biases at zero; perturb them so the norm
+        # convention and the routing are really tested
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     return model
 
 

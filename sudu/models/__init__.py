@@ -8,12 +8,20 @@ from torch import nn
 from sudu.models.config import ModelConfig
 from sudu.models.gemma3 import Gemma3ForCausalLM
 from sudu.models.llama import LlamaForCausalLM
+from sudu.models.mixtral import MixtralForCausalLM
 from sudu.models.qwen2 import Qwen2ForCausalLM
+from sudu.models.qwen2moe import Qwen2MoeForCausalLM
+from sudu.models.qwen3 import Qwen3ForCausalLM
+from sudu.models.qwen3moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen2moe": Qwen2MoeForCausalLM,
+    "qwen3moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek2")
+# config.json model_type -> architecture
+MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3",
+               "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "deepseek_v2": "deepseek2",
+               "deepseek_v3": "deepseek2"}
 
 
 @dataclass
@@ -34,6 +38,30 @@ class ModelConfig:
     # per layer: "sliding_attention" or "full_attention"; None -> all full
     layer_types: list[str] | None = None
     query_pre_attn_scalar: float | None = None  # gemma3: scale = query_pre_attn_scalar ** -0.5
+    # mixture of experts (qwen2moe, qwen3moe, mixtral, deepseek2); num_experts 0 = dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    moe_layers: list[bool] | None = None  # per layer: routed experts (True) or the dense MLP; None -> all
+    norm_topk_prob: bool = False  # renormalise the selected experts' weights to sum to 1
+    scoring_func: str = "softmax"  # router scores: "softmax" or "sigmoid" (DeepSeek-V3)
+    router_correction_bias: bool = False  # V3: a per-expert bias added to the scores for selection only
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1  # group-limited top-k: experts in n_group groups, only topk_group groups eligible
+    topk_group: int = 1
+    shared_expert_intermediate_size: int = 0  # an always-on expert next to the routed ones; 0 = none
+    shared_expert_gate: bool = False  # qwen2moe: the shared expert's output scaled by sigmoid(x @ w)
+    # multi-head latent attention (deepseek2)
+    q_lora_rank: int | None = None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True  # deepseek2: rotary over (even, odd) channel pairs
+    # YaRN scaling (Hugging Face's rope_type "yarn" parameters: factor, original_max_position_embeddings,
+    # beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor)
+    rope_yarn: dict | None = None
+    num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers stored after the decoder layers
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
 
@@ -50,6 +78,13 @@ class ModelConfig:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError("layer_types must name one attention type per layer")
+        if self.num_experts and self.moe_layers is None:
+            self.moe_layers = [True] * self.num_hidden_layers
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+
+    def is_moe(self, layer_idx: int) -> bool:
+        return bool(self.num_experts) and self.moe_layers[layer_idx]
 
     def is_sliding(self, layer_idx: int) -> bool:
         return self.layer_types[layer_idx] == "sliding_attention"
@@ -59,16 +94,19 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict (text config for multimodal wrappers)."""
         cfg = dict(cfg.get("text_config", cfg)) if "text_config" in cfg else dict(cfg)
         model_type = cfg.get("model_type", "")
-        arch = {"qwen2": "qwen2", "llama": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3"}.get(model_type)
+        arch = MODEL_TYPES.get(model_type)
         if arch is None:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
         kwargs["architecture"] = arch
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             kwargs["attention_bias"] = True
-            kwargs.pop("sliding_window", None)  # qwen2 ships it with use_sliding_window=false
+        if arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "mixtral", "deepseek2", "llama"):
+            # qwen ships sliding_window with use_sliding_window=false; the others attend globally
+            kwargs.pop("sliding_window", None)
             kwargs.pop("layer_types", None)
+        _moe_fields(arch, cfg, kwargs)
         # rope: transformers >= 5 writes rope_parameters (per layer type for gemma3), older configs
         # rope_theta / rope_local_base_freq / rope_scaling
         rope = cfg.get("rope_parameters") or {}
@@ -81,6 +119,10 @@ class ModelConfig:
             kwargs["rope_local_base_freq"] = float(rope_local["rope_theta"])
         if scaling.get("rope_type", scaling.get("type")) == "linear":
             kwargs["rope_scaling_factor"] = float(scaling["factor"])
+        if scaling.get("rope_type", scaling.get("type")) == "yarn":
+            kwargs["rope_yarn"] = {k: scaling[k] for k in ("factor", "original_max_position_embeddings", "beta_fast",
+                                                            "beta_slow", "mscale", "mscale_all_dim",
+                                                            "attention_factor") if scaling.get(k) is not None}
         if arch == "gemma3":
             kwargs.setdefault("tie_word_embeddings", True)
             kwargs.setdefault("rope_local_base_freq", 10000.0)
@@ -91,9 +133,38 @@ class ModelConfig:
                     "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                     for i in range(cfg["num_hidden_layers"])
                 ]
-        elif arch == "llama":
-            kwargs.pop("layer_types", None)
-            kwargs.pop("sliding_window", None)
         eos = cfg.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(**kwargs)
+
+
+def _moe_fields(arch: str, cfg: dict, kwargs: dict) -> None:
+    """The routed-expert fields each family spells its own way in config.json."""
+    n = cfg["num_hidden_layers"]
+    # Qwen checkpoints say num_experts, Mixtral and transformers >= 5 num_local_experts, DeepSeek n_routed_experts
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    if experts:
+        kwargs["num_experts"] = experts
+    if arch in ("qwen2moe", "qwen3moe"):
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+        kwargs["moe_layers"] = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+        kwargs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", arch == "qwen3moe"))
+        if arch == "qwen2moe":
+            kwargs["shared_expert_intermediate_size"] = cfg.get("shared_expert_intermediate_size", 0)
+            kwargs["shared_expert_gate"] = True
+    elif arch == "mixtral":
+        kwargs["norm_topk_prob"] = True
+    elif arch == "deepseek2":
+        first_dense = cfg.get("first_k_dense_replace", 0)
+        step = cfg.get("moe_layer_freq", 1)
+        kwargs["moe_layers"] = [i >= first_dense and i % step == 0 for i in range(n)]
+        kwargs["shared_expert_intermediate_size"] = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
+        v3 = cfg.get("model_type") == "deepseek_v3"
+        kwargs["scoring_func"] = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
+        kwargs["router_correction_bias"] = v3 or cfg.get("topk_method") == "noaux_tc"
+        kwargs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
+        kwargs["n_group"] = cfg.get("n_group") or 1
+        kwargs["topk_group"] = cfg.get("topk_group") or 1
+        if not v3 and cfg.get("topk_method", "greedy") == "greedy":  # V2-Lite: plain top-k over all experts
+            kwargs["n_group"] = kwargs["topk_group"] = 1
+        kwargs["head_dim"] = cfg["qk_rope_head_dim"]

@@ -39,10 +39,14 @@ class LlamaAttention(QKVProjections, nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """Pre-norm attention and feed-forward blocks; `attention` and `mlp` are the variants' own modules (q/k
+    norms, routed experts, latent attention), built from (cfg, layer_idx)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attention=LlamaAttention, mlp=None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.self_attn = attention(cfg, layer_idx)
+        self.mlp = mlp(cfg, layer_idx) if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                                                        cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -59,18 +63,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention=LlamaAttention, mlp=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, attention, mlp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The llama decoder stack. Variants pass their attention module class and an mlp factory (cfg,
+    layer_idx) -> module; the one-call native decode stack applies only to the plain llama layers."""
+
+    def __init__(self, cfg: ModelConfig, attention=LlamaAttention, mlp=None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, attention, mlp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -94,6 +101,8 @@ class LlamaForCausalLM(nn.Module):
         weights = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if type(attn) is not LlamaAttention or type(mlp) is not GatedMLP:
+                return
             qkv, o, gate_up, down = getattr(attn, "qkv_proj", None), attn.o_proj, mlp.gate_up_proj, mlp.down_proj
             if (not all(isinstance(p, linear.QuantizedLinear) and p.fits_native_stack() for p in (qkv, o, gate_up, down))
                     or mlp._silu_mul is None or attn.head_dim % 8):

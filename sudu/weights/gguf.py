@@ -178,11 +178,14 @@ def _nice_float(x: float) -> float:
     return float(f"{x:.7g}")
 
 
+GGUF_ARCHITECTURES = ("qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "deepseek2")
+
+
 def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     meta = gf.metadata
     arch = meta.get("general.architecture")
-    if arch not in ("qwen2", "llama", "gemma3"):
-        raise SuduError(f"unsupported GGUF architecture {arch!r}; sudu runs qwen2, llama, gemma3")
+    if arch not in GGUF_ARCHITECTURES:
+        raise SuduError(f"unsupported GGUF architecture {arch!r}; sudu runs {', '.join(GGUF_ARCHITECTURES)}")
 
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -191,14 +194,18 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     embed = next((t for t in gf.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise SuduError("GGUF file has no token_embd.weight tensor")
+    missing = [key for key in ("embedding_length", "attention.head_count", "block_count")
+               if get(key) is None]
+    if missing:
+        raise SuduError(f"GGUF file lacks metadata {', '.join(f'{arch}.{k}' for k in missing)}")
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))
     kwargs: dict[str, Any] = dict(
-        architecture=arch,
+        architecture="mixtral" if arch == "llama" and get("expert_count") else arch,
         vocab_size=int(embed.shape[0]),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length", 0)),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(get("attention.head_count_kv", heads)),
@@ -212,8 +219,12 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     )
     if get("rope.scaling.type") == "linear":
         kwargs["rope_scaling_factor"] = float(get("rope.scaling.factor"))
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe"):
         kwargs["attention_bias"] = True
+    if get("expert_count"):
+        _moe_config(arch, get, names, kwargs)
+    if arch == "deepseek2":
+        _mla_config(get, kwargs)
     if arch == "gemma3":
         kwargs["hidden_act"] = "gelu_pytorch_tanh"
         # llama.cpp does not store these for gemma3; its runtime hard-codes the same values transformers'
@@ -228,6 +239,53 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     return ModelConfig(**kwargs)
 
 
+# llama.cpp's expert_gating_func values
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+
+
+def _moe_config(arch: str, get, names: set[str], kwargs: dict) -> None:
+    """Routed-expert fields from {arch}.expert_* metadata; a layer is routed where its file has a router."""
+    num_layers = kwargs["num_hidden_layers"]
+    kwargs["num_experts"] = int(get("expert_count"))
+    kwargs["num_experts_per_tok"] = int(get("expert_used_count"))
+    kwargs["moe_intermediate_size"] = int(get("expert_feed_forward_length", kwargs["intermediate_size"]))
+    kwargs["moe_layers"] = [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(num_layers)]
+    # llama.cpp's defaults where the file says nothing: Qwen3-MoE and Mixtral renormalise, the others not
+    kwargs["norm_topk_prob"] = bool(get("expert_weights_norm", arch in ("qwen3moe", "llama")))
+    if arch == "qwen2moe":
+        kwargs["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
+        kwargs["shared_expert_gate"] = "blk.0.ffn_gate_inp_shexp.weight" in names or any(
+            n.endswith("ffn_gate_inp_shexp.weight") for n in names)
+    if arch == "deepseek2":
+        kwargs["shared_expert_intermediate_size"] = int(get("expert_shared_count", 0)) * kwargs["moe_intermediate_size"]
+        kwargs["routed_scaling_factor"] = float(get("expert_weights_scale", 1.0))
+        kwargs["scoring_func"] = _GATING_FUNCS[int(get("expert_gating_func", 1))]
+        kwargs["router_correction_bias"] = any(n.endswith("exp_probs_b.bias") for n in names)
+        kwargs["n_group"] = int(get("expert_group_count", 1)) or 1
+        kwargs["topk_group"] = int(get("expert_group_used_count", 1)) or 1
+
+
+def _mla_config(get, kwargs: dict) -> None:
+    """Multi-head latent attention fields. Files from llama.cpp's MLA-aware converter store the per-head
+    key/value widths as key_length_mla / value_length_mla (key_length is then the latent + rope width)."""
+    rope = int(get("rope.dimension_count"))
+    qk_head = int(get("attention.key_length_mla", get("attention.key_length")))
+    kwargs["q_lora_rank"] = int(get("attention.q_lora_rank", 0)) or None
+    kwargs["kv_lora_rank"] = int(get("attention.kv_lora_rank"))
+    kwargs["qk_rope_head_dim"] = rope
+    kwargs["qk_nope_head_dim"] = qk_head - rope
+    kwargs["v_head_dim"] = int(get("attention.value_length_mla", get("attention.value_length")))
+    kwargs["head_dim"] = rope
+    kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    kwargs["num_nextn_predict_layers"] = int(get("nextn_predict_layers", 0))
+    if get("rope.scaling.type") == "yarn":
+        # llama.cpp writes yarn_log_multiplier = 0.1 * mscale_all_dim (DeepSeek sets mscale = mscale_all_dim)
+        mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        kwargs["rope_yarn"] = {"factor": float(get("rope.scaling.factor")),
+                               "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                               "mscale": mscale, "mscale_all_dim": mscale}
+
+
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -239,11 +297,33 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",  # MLA-aware files: kv_b_proj split (weights/gguf.py merge_kv_b)
+    "attn_v_b": "self_attn.v_b_proj",
 }
+# stacked experts [experts, rows, cols]: one tensor per expert in Hugging Face names
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # The norm after attention and before the MLP is `ffn_norm` in llama/qwen2 files; gemma3 has four norms.
 _LAYER_NAMES_BY_ARCH = {
     "qwen2": {"ffn_norm": "post_attention_layernorm"},
     "llama": {"ffn_norm": "post_attention_layernorm"},
+    "mixtral": {"ffn_norm": "post_attention_layernorm"},
+    "qwen3": {"ffn_norm": "post_attention_layernorm"},
+    "qwen2moe": {"ffn_norm": "post_attention_layernorm"},
+    "qwen3moe": {"ffn_norm": "post_attention_layernorm"},
+    "deepseek2": {"ffn_norm": "post_attention_layernorm", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                  "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
+                  "attn_q": "self_attn.q_proj"},
     "gemma3": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",
@@ -253,16 +333,22 @@ _LAYER_NAMES_BY_ARCH = {
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_ROUTER_BIAS = re.compile(r"^blk\.(\d+)\.exp_probs_b\.bias$")
 
 
 def hf_name(gguf_name: str, arch: str) -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for tensors sudu does not use (e.g. rope_freqs)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    m = _ROUTER_BIAS.match(gguf_name)
+    if m is not None:
+        return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
     m = _BLOCK_RE.match(gguf_name)
     if m is None:
         return None
     layer, part, kind = m.groups()
+    if part in _EXPERT_NAMES:
+        return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_NAMES[part]}.{kind}"  # one per expert
     mapped = _LAYER_NAMES_BY_ARCH[arch].get(part) or _LAYER_NAMES.get(part)
     if mapped is None:
         return None
@@ -290,8 +376,17 @@ def quantized_tensors(gf: GGUFFile, config: ModelConfig) -> dict[str, QuantizedT
         name = hf_name(t.name, arch)
         if name is None:
             continue
-        qt = QuantizedTensor(name, t.name, t.ggml_type, t.shape, t.data)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if "{}" in name:  # stacked experts [experts, rows, cols] -> one [rows, cols] view per expert
+            experts, rows = t.shape[0], t.shape[1]
+            for e in range(experts):
+                out[name.format(e)] = QuantizedTensor(name.format(e), t.name, t.ggml_type, t.shape[1:],
+                                                      t.data[e * rows:(e + 1) * rows])
+            continue
+        shape = t.shape
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp stores it as [hidden]
+            shape = (1, shape[0])
+        qt = QuantizedTensor(name, t.name, t.ggml_type, shape, t.data)
+        if arch in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             qt.row_permutation = _llama_row_permutation(t.shape[0], n_head)
         if arch == "gemma3" and _is_gemma_norm(name):
@@ -374,6 +469,13 @@ def dequantize_blocks(blocks: np.ndarray, ggml_type: str, shape: tuple[int, ...]
     qtype = gguf.GGMLQuantizationType[ggml_type]
     values = gguf.quants.dequantize(np.ascontiguousarray(blocks).reshape(-1, blocks.shape[-1]), qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+def merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's MLA-aware files split DeepSeek's kv_b_proj per head into k_b [heads, kv_lora_rank, qk_nope]
+    (transposed) and v_b [heads, v_head, kv_lora_rank]; this is the kv_b_proj weight [heads * (qk_nope +
+    v_head), kv_lora_rank] they came from."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
 def dequantize(qt: QuantizedTensor) -> torch.Tensor:

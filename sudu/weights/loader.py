@@ -30,19 +30,29 @@ class Checkpoint:
     def tensor_names(self) -> list[str]:
         if self.format == "gguf":
             return list(self._quantized)
-        return st_weights.tensor_names(self.path)
+        return st_weights.tensor_names(self.path, self.config.architecture)
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) one at a time, dequantized as they are reached, so peak memory is
         the model in `dtype` plus one float32 tensor."""
         if self.format != "gguf":
-            yield from st_weights.iter_tensors(self.path, dtype)
+            yield from st_weights.iter_tensors(self.path, dtype, self.config.architecture)
             return
         total = sum(int(qt.blocks.nbytes) for qt in self._quantized.values())
+        kv_b_parts: dict[str, dict[str, torch.Tensor]] = {}  # MLA files: k_b and v_b wait for each other
         with byte_progress(self.progress, f"loading {self.path.name}", total) as advance:
             for name, qt in self._quantized.items():
-                yield name, gguf_weights.dequantize(qt).to(dtype)
+                tensor = gguf_weights.dequantize(qt).to(dtype)
                 advance(int(qt.blocks.nbytes))
+                if name.endswith(("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):
+                    prefix, part, _ = name.rsplit(".", 2)
+                    parts = kv_b_parts.setdefault(prefix, {})
+                    parts[part] = tensor
+                    if len(parts) == 2:
+                        del kv_b_parts[prefix]
+                        yield f"{prefix}.kv_b_proj.weight", gguf_weights.merge_kv_b(parts["k_b_proj"], parts["v_b_proj"])
+                    continue
+                yield name, tensor
 
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         return dict(self.tensors(dtype))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -41,25 +42,46 @@ def shard_files(path: str | Path) -> list[Path]:
     return files
 
 
-def tensor_names(path: str | Path) -> list[str]:
+def tensor_names(path: str | Path, arch: str | None = None) -> list[str]:
     from safetensors import safe_open
 
     names = []
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
-            names.extend(f.keys())
+            names.extend(canonical_name(n, arch) for n in f.keys())
     return names
 
 
-def iter_tensors(path: str | Path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in file order, each converted to `dtype` as it is read (bounded peak memory)."""
+# Mixtral's expert names -> the Qwen-MoE names sudu's MoE networks use (w1 = gate, w3 = up, w2 = down)
+_MIXTRAL_NAMES = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w1|w2|w3))\.")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def canonical_name(name: str, arch: str | None) -> str:
+    """The name sudu's network gives a checkpoint tensor (the checkpoint's own, except Mixtral's experts)."""
+    if arch != "mixtral":
+        return name
+
+    def rename(m: re.Match) -> str:
+        part = m.group(1)
+        if m.group(2):
+            part = part[:-len(m.group(2))] + _MIXTRAL_EXPERT[m.group(2)]
+        return f".mlp.{part}."
+
+    return _MIXTRAL_NAMES.sub(rename, name)
+
+
+def iter_tensors(path: str | Path, dtype: torch.dtype = torch.float32,
+                 arch: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in file order, each converted to `dtype` as it is read (bounded peak memory); names as
+    canonical_name gives them for architecture `arch`."""
     from safetensors import safe_open
 
     for file in shard_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name).to(dtype)
+                    yield canonical_name(name, arch), f.get_tensor(name).to(dtype)
         except SuduError:
             raise
         except Exception as exc:  # safetensors raises its own error type on a truncated header
