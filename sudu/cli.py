@@ -1,4 +1,4 @@
-"""The `sudu` command: serve | generate | bench | models. Each subcommand's flags and body live with
+"""The `sudu` command: serve | generate | bench | models | roofline | cache. Each subcommand's flags and body live with
 the mechanism they drive; this file only wires them and turns user errors into one line + exit code."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from sudu.errors import SuduError
 def build_parser() -> argparse.ArgumentParser:
     from sudu import generate, roofline
     from sudu.bench import cli as bench_cli
+    from sudu.cache import cli as cache_cli
     from sudu.server import cli as server_cli
     from sudu.weights import catalog
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register_cli(sub)
     catalog.register_cli(sub)
     roofline.register_cli(sub)
+    cache_cli.register_cli(sub)
     return parser
 
 
