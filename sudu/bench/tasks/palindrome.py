@@ -1,9 +1,13 @@
 """Algorithm task: `longest_palindrome(s)` written in Python, verified by running tests (edge cases, the
-first-occurrence tie rule, a 1500-character input) in a subprocess with a timeout."""
+first-occurrence tie rule, random inputs drawn at check time, a 1500-character input) against a reference
+computed here; the candidate runs in the sandbox and only answers calls."""
 from __future__ import annotations
 
+import random
+import secrets
+
 from sudu.bench.tasks import CheckResult, TaskInstance, extract_code
-from sudu.bench.tasks.sandbox import check_by_running
+from sudu.bench.tasks.sandbox import run_calls
 
 TIMEOUT_S = 10.0
 
@@ -14,10 +18,10 @@ PROMPT = (
     "Reply with the complete function in one ```python code block."
 )
 
-HARNESS = r'''
-import random
+CALLS = "CALLS = {'solve': lambda candidate, cases: [candidate.longest_palindrome(s) for s in cases]}"
 
-def _reference(s):
+
+def reference(s: str) -> str:
     best = ""
     for center in range(2 * len(s) - 1):
         lo, hi = center // 2, center // 2 + center % 2
@@ -28,26 +32,31 @@ def _reference(s):
             best = s[lo + 1:hi]
     return best
 
-from candidate import longest_palindrome
 
-cases = ["babad", "cbbd", "", "a", "ac", "forgeeksskeegfor", "abacdfgdcaba", "aaaa", "abcba", "xabbay", "noonracecar"]
-rng = random.Random(7)
-cases += ["".join(rng.choice("ab") for _ in range(rng.randint(5, 40))) for _ in range(40)]
-cases.append("".join(rng.choice("abc") for _ in range(1500)))
-for s in cases:
-    got = longest_palindrome(s)
-    want = _reference(s)
-    if got != want:
-        raise SystemExit(f"longest_palindrome({s[:40]!r}) returned {str(got)[:40]!r}, expected {want[:40]!r}")
-print("OK")
-'''
+def cases() -> list[str]:
+    """Fixed edge cases, then random ones drawn fresh for every check (a candidate cannot know them)."""
+    rng = random.Random(secrets.randbits(64))
+    out = ["babad", "cbbd", "", "a", "ac", "forgeeksskeegfor", "abacdfgdcaba", "aaaa", "abcba", "xabbay", "noonracecar"]
+    out += ["".join(rng.choice("ab") for _ in range(rng.randint(5, 40))) for _ in range(40)]
+    out.append("".join(rng.choice("abc") for _ in range(1500)))
+    return out
 
 
 def check(answer: str) -> CheckResult:
     code = extract_code(answer, ("python", "py", "python3"), must_contain="def longest_palindrome")
     if "def longest_palindrome" not in code:
         return CheckResult(False, "no longest_palindrome function in the answer")
-    return check_by_running(code, HARNESS, TIMEOUT_S, "all tests pass")
+    inputs = cases()
+    results, error = run_calls(code, CALLS, TIMEOUT_S, [("solve", inputs)])
+    if error:
+        return CheckResult(False, error)
+    got = results[0].result if isinstance(results[0].result, list) else []
+    for i, s in enumerate(inputs):
+        want = reference(s)
+        if i >= len(got) or got[i] != want:
+            value = got[i] if i < len(got) else None
+            return CheckResult(False, f"longest_palindrome({s[:40]!r}) returned {str(value)[:40]!r}, expected {want[:40]!r}")
+    return CheckResult(True, f"all {len(inputs)} tests pass")
 
 
 def build() -> TaskInstance:

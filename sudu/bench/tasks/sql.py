@@ -53,6 +53,15 @@ def fixture() -> sqlite3.Connection:
     return conn
 
 
+_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+
+
+def _read_only(action: int, *_) -> int:
+    """The answer runs in the bench's own process: reads of the fixture only (no ATTACH, no PRAGMA, no
+    writes), whatever one statement it holds."""
+    return sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY
+
+
 def _rows(conn: sqlite3.Connection, query: str) -> list[tuple]:
     steps = [0]
 
@@ -61,6 +70,7 @@ def _rows(conn: sqlite3.Connection, query: str) -> list[tuple]:
         return 1 if steps[0] * 1000 > MAX_VM_STEPS else 0
 
     conn.set_progress_handler(budget, 1000)
+    conn.set_authorizer(_read_only)
     return [tuple(round(v, 6) if isinstance(v, float) else v for v in row) for row in conn.execute(query).fetchall()]
 
 
