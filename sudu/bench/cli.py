@@ -1,4 +1,4 @@
-"""`sudu bench {single,throughput,cache,tasks,compare}`: flags, and the run around a suite: target
+"""`sudu bench {single,throughput,cache,tasks,conversation,compare}`: flags, and the run around a suite: target
 resolution (--url, or a local `sudu serve` started and stopped here), server info, token recount hook,
 progress bar, and the report written at the end, or marked partial when Ctrl-C interrupts the run."""
 from __future__ import annotations
@@ -23,6 +23,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("SUDU_BENCH_API_KEY"),
                    help="bearer token (default: $SUDU_BENCH_API_KEY)")
     g.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for a local sudu serve")
+    g.add_argument("--serve-args", default="", help="with no --url: extra flags for the local `sudu serve` "
+                   "(one string, e.g. \"--enable-prefix-caching false\")")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     r = p.add_argument_group("run")
     r.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT})")
@@ -79,6 +81,18 @@ def register_cli(subparsers) -> None:
     p.add_argument("--retrieval-fraction", type=float, default=0.5, help="retrieval document length / context")
     p.set_defaults(func=cmd_suite, warmup=1)
 
+    p = suites.add_parser("conversation", help="multi-turn coding-agent sessions: per-turn TTFT and cached share, "
+                          "session time (the context cache's workload)")
+    _common(p)
+    p.add_argument("--users", type=int, default=8, help="simulated users, each one session, all at once")
+    p.add_argument("--turns", type=int, default=10, help="turns per session")
+    p.add_argument("--team-size", type=int, default=2, help="users sharing one system prompt")
+    p.add_argument("--answer-tokens", type=int, default=64, help="max_tokens of each model turn")
+    p.add_argument("--tool-output-words", type=int, default=220, help="size of a tool's output (words, about)")
+    p.add_argument("--restart-after-turn", type=int, default=None, metavar="K",
+                   help="with no --url: after every session's turn K, stop the local server and start it again")
+    p.set_defaults(func=cmd_suite, warmup=0)
+
     p = suites.add_parser("compare", help="A/B ratios with bootstrap CIs between two JSON reports")
     p.add_argument("a", metavar="A.json")
     p.add_argument("b", metavar="B.json")
@@ -121,6 +135,15 @@ def validate(args) -> dict:
         args.task_list = names
         if args.attempts < 1 or args.repeat < 1:
             raise SuduError("--attempts and --repeat must be >= 1")
+    if args.suite == "conversation":
+        if args.users < 1 or args.turns < 1 or args.team_size < 1 or args.answer_tokens < 1:
+            raise SuduError("--users, --turns, --team-size and --answer-tokens must be >= 1")
+        k = args.restart_after_turn
+        if k is not None:
+            if args.url:
+                raise SuduError("--restart-after-turn needs the local server (no --url): bench cannot restart yours")
+            if not 1 <= k < args.turns:
+                raise SuduError(f"--restart-after-turn must be between 1 and {args.turns - 1} (--turns - 1)")
     return parse_slo(getattr(args, "slo", None))
 
 
@@ -180,6 +203,8 @@ def planned_requests(args) -> int:
         return args.warmup + args.num_requests * (len(args.concurrency_levels) + len(args.rates))
     if args.suite == "cache":
         return 4 * args.num_requests * len(args.length_list) + len(args.length_list)
+    if args.suite == "conversation":
+        return args.users * args.turns
     return args.warmup + len(args.task_list) * args.repeat
 
 
@@ -217,6 +242,14 @@ async def run_suite(args, run) -> None:
                                             args.output_len, args.arrival, args.burstiness, args.seed)
             elif args.suite == "cache":
                 await suites.run_cache(ctx, args.length_list, args.num_requests, args.max_tokens, args.seed)
+            elif args.suite == "conversation":
+                from sudu.bench.conversation import ConversationOptions, run_conversation
+
+                opts = ConversationOptions(args.users, args.turns, args.team_size, args.answer_tokens,
+                                           args.tool_output_words, args.restart_after_turn, args.seed)
+                restart_server = getattr(args, "restart_server", None)
+                restart = (lambda: asyncio.to_thread(restart_server)) if restart_server else None
+                run.sessions = await run_conversation(ctx, opts, suites.send, restart)
             else:
                 context_len = args.context_len or suites.context_len_from_server(run.server_info)
                 if context_len is None:

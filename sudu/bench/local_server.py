@@ -4,6 +4,7 @@ suite against it and stops it, whatever happens in between."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,11 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(port: int, model: str | None) -> list[str]:
+def serve_command(port: int, model: str | None, extra: str = "") -> list[str]:
     cmd = [sys.executable, "-m", "sudu.cli", "serve", "--port", str(port)]
     if model:
         cmd += ["--model", model]
-    return cmd
+    return cmd + shlex.split(extra)
 
 
 def _log_note(path: str | None, lines: int = 15) -> str:
@@ -86,18 +87,35 @@ def run_with_local_server(args, run: Callable[[object], int]) -> int:
     if getattr(args, "url", None):
         return run(args)
     port = free_port()
-    cmd = serve_command(port, getattr(args, "model", None))
+    cmd = serve_command(port, getattr(args, "model", None), getattr(args, "serve_args", ""))
     out_dir = getattr(args, "out", None)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
     log_path = os.path.join(out_dir or tempfile.gettempdir(), f"sudu-serve-{port}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    root = f"http://127.0.0.1:{port}"
+
+    def start() -> tuple[subprocess.Popen, float]:
+        with open(log_path, "a") as log:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        return p, wait_for_health(p, root, args.server_timeout, log_path)
+
+    proc = None
     try:
-        root = f"http://127.0.0.1:{port}"
-        ready_s = wait_for_health(proc, root, args.server_timeout, log_path)
+        proc, ready_s = start()
         args.url = root
-        args.local_server = {"command": cmd, "log": log_path, "ready_after_s": ready_s}
+        args.local_server = {"command": cmd, "log": log_path, "ready_after_s": ready_s, "restarts": []}
+
+        def restart() -> None:
+            """Stop the server (SIGTERM, as an operator would) and start it again on the same port."""
+            nonlocal proc
+            t0 = time.perf_counter()
+            stop_server(proc)
+            proc, ready = start()
+            args.local_server["restarts"].append({"ready_after_s": ready, "total_s": time.perf_counter() - t0})
+
+        args.restart_server = restart
         return run(args)
     finally:
-        stop_server(proc)
+        if proc is not None:
+            stop_server(proc)

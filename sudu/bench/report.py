@@ -106,6 +106,14 @@ def task_summaries(results: list[dict]) -> list[dict]:
     return out
 
 
+def conversation_summary(run) -> dict | None:
+    if not run.sessions:
+        return None
+    from sudu.bench.conversation import summarize
+
+    return {**summarize(run.sessions, run.config.get("restart_after_turn")), "session_runs": run.sessions}
+
+
 def build_report(run, slo: dict | None = None) -> dict:
     slo = slo or {}
     groups = [group_summary(run, g, slo) for g in run.groups]
@@ -128,6 +136,7 @@ def build_report(run, slo: dict | None = None) -> dict:
         "groups": groups,
         "tasks": task_summaries(run.task_results),
         "task_runs": run.task_results,
+        "conversation": conversation_summary(run),
         "flags": flags,
         "notes": run.notes,
         "records": [r.to_dict() for r in run.records],
@@ -250,6 +259,11 @@ def markdown_summary(report: dict) -> str:
     header, rows = task_rows(report)
     if rows:
         parts += ["## Tasks (a wrong answer has no time)", _md_table(header, rows)]
+    if report.get("conversation"):
+        from sudu.bench.conversation import markdown
+
+        parts += ["## Conversation: per turn (cached share = cached / prompt tokens, as the server reported)",
+                  markdown(report["conversation"])]
     oh = report.get("client_overhead")
     if oh:
         parts += ["## Client self-test",

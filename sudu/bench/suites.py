@@ -45,6 +45,7 @@ class Run:
     records: list[RequestRecord] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
     task_results: list[dict] = field(default_factory=list)
+    sessions: list[dict] = field(default_factory=list)  # the conversation suite's per-session results
     server_info: dict = field(default_factory=dict)
     token_recount: str = ""
     overhead: dict | None = None

@@ -33,6 +33,7 @@ def register_cli(subparsers) -> None:
                    "(default: 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
+    p.set_defaults(disk_cache_size="auto")  # a server keeps its context cache on disk; tests and the API opt in
     p.set_defaults(func=run_serve)
 
 
