@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (its own registry, so several apps in one process never collide).
 Names mirror vLLM's `vllm:` metrics under `sudu:`. Per-request histograms and token counters are fed by
-the routes as outputs stream out; engine-wide state (running/waiting requests, KV usage, prefix-cache
-counters) is read from `engine.stats()` at scrape time."""
+the routes as outputs stream out; engine-wide state (running/waiting requests, KV usage, the context
+cache's counters per tier) is read from `engine.stats()` at scrape time."""
 from __future__ import annotations
 
 from typing import Callable
@@ -38,6 +38,46 @@ class _EngineStatsCollector(Collector):
             ("sudu:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Speculative tokens accepted."),
         ):
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        yield from _context_cache_metrics(stats)
+
+
+def _context_cache_metrics(stats: dict):
+    """The context cache per tier: prompt tokens hit and missed in RAM and on disk, and the disk tier's
+    traffic and upkeep (cache/disk_store.py)."""
+    queries, hits, disk_hits = (float(stats.get(k, 0)) for k in ("prefix_cache_queries", "prefix_cache_hits",
+                                                                   "prefix_cache_hits_disk"))
+    tiers = [("ram", hits - disk_hits, queries - (hits - disk_hits))]
+    if stats.get("disk_cache_enabled"):
+        tiers.append(("disk", disk_hits, queries - hits))  # looked up on disk: whatever RAM missed
+    hit = CounterMetricFamily("sudu:prefix_cache_tier_hits", "Prompt tokens found, by cache tier.", labels=["tier"])
+    miss = CounterMetricFamily("sudu:prefix_cache_tier_misses", "Prompt tokens a tier was asked for and did not hold.",
+                               labels=["tier"])
+    for tier, h, m in tiers:
+        hit.add_metric([tier], h)
+        miss.add_metric([tier], m)
+    yield hit
+    yield miss
+    for name, key, doc in (
+        ("sudu:disk_cache_enabled", "disk_cache_enabled", "1 when the context cache has its disk tier."),
+        ("sudu:disk_cache_bytes", "disk_cache_bytes", "Bytes of KV block files in the disk tier's directory."),
+        ("sudu:disk_cache_blocks", "disk_cache_blocks", "KV block files in the disk tier's directory."),
+    ):
+        yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
+    for name, key, doc in (
+        ("sudu:disk_cache_block_hits", "disk_cache_hits", "KV blocks loaded from disk."),
+        ("sudu:disk_cache_block_misses", "disk_cache_misses", "Disk lookups that found no usable file."),
+        ("sudu:disk_cache_read_bytes", "disk_cache_bytes_read", "Bytes read from the disk tier."),
+        ("sudu:disk_cache_read_seconds", "disk_cache_read_s", "Seconds spent reading and checking block files."),
+        ("sudu:disk_cache_written_blocks", "disk_cache_blocks_written", "KV blocks written to disk."),
+        ("sudu:disk_cache_written_bytes", "disk_cache_bytes_written", "Bytes written to the disk tier."),
+        ("sudu:disk_cache_write_seconds", "disk_cache_write_s", "Seconds the writer thread spent writing."),
+        ("sudu:disk_cache_writes_dropped", "disk_cache_writes_dropped", "Blocks not written: the writer was behind."),
+        ("sudu:disk_cache_write_errors", "disk_cache_write_errors", "Block writes that failed (full or broken disk)."),
+        ("sudu:disk_cache_evictions", "disk_cache_evictions", "Block files removed to stay within the size budget."),
+        ("sudu:disk_cache_corrupt_dropped", "disk_cache_corrupt_dropped",
+         "Block files that failed a check (truncated, corrupt, foreign) and were deleted."),
+    ):
+        yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
 
 
 class ServerMetrics:

@@ -1,0 +1,92 @@
+"""The conversation suite: sessions grow turn by turn with the model's real answers and tool outputs,
+teams share a system prompt (members after the leader's first answer), cache states are declared per
+turn, the per-turn summary reports the cached share the server gave, and a restart happens once, after
+every session finished turn K."""
+import asyncio
+import json
+import os
+import re
+
+from sudu.bench.client import RequestRecord
+from sudu.bench.conversation import ConversationOptions, make_sessions, run_conversation, summarize
+from sudu.bench.fake_server import FakeServer, chat_script
+from sudu.bench.suites import Ctx, Run
+from tests.test_bench_cli import run_cli
+
+
+class PrefixCacheServer:
+    """An ideal prefix cache in front of a fake model: a prompt's tokens are its characters / 4, its cached
+    tokens the longest prefix shared with any earlier prompt."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+        self.order: list[tuple[str, int]] = []  # (system prompt head, turn) in arrival order
+
+    def __call__(self, body):
+        text = "".join(m["role"] + m["content"] for m in body["messages"])
+        best = max((len(os.path.commonprefix([text, s])) for s in self.seen), default=0)
+        self.seen.append(text)
+        turns = sum(m["role"] == "assistant" for m in body["messages"]) + 1
+        self.order.append((body["messages"][0]["content"][:34], turns))
+        usage = {"prompt_tokens": len(text) // 4, "completion_tokens": 3, "total_tokens": len(text) // 4 + 3,
+                 "prompt_tokens_details": {"cached_tokens": best // 4}}
+        return chat_script([(0.001, "Reading "), (0.002, "the file. "), (0.003, '{"tool": "read_file"}')], usage=usage)
+
+
+def test_conversation_suite_end_to_end(tmp_path):
+    server = PrefixCacheServer()
+    with FakeServer(server) as srv:
+        code = run_cli(["conversation", "--url", srv.url, "--model", "m", "--users", "4", "--turns", "4",
+                        "--team-size", "2", "--out", str(tmp_path), "--no-html", "--no-progress"])
+    assert code == 0
+    report = json.load(open(next(tmp_path.glob("conversation-*.json"))))
+    conv = report["conversation"]
+    assert [t["n"] for t in conv["turns"]] == [4, 4, 4, 4] and conv["sessions_completed"] == 4
+    groups = {g["name"]: g for g in report["groups"]}
+    assert groups["turn=1 cold"]["n_ok"] == 2 and groups["turn=1 shared-prefix"]["n_ok"] == 2
+    assert groups["turn=3"]["cache_state"] == "warm"
+    assert not [f for f in report["flags"] if "contradict" in f or "warm" in f]
+    # every later turn re-sends the whole conversation: nearly all of it is a hit
+    assert conv["turns"][0]["cached_share"] < 0.6 < 0.9 < conv["token_hit_rate_turns_2plus"] <= 1.0
+    # a team member's first turn comes after its leader's first turn (shared-prefix is declared honestly)
+    firsts = [head for head, turn in server.order if turn == 1]
+    for head in set(firsts):
+        assert firsts.count(head) == 2
+    # histories grow with the model's answers and tool outputs
+    session = conv["session_runs"][0]["turns"]
+    assert session[0]["prompt_tokens"] < session[1]["prompt_tokens"] < session[3]["prompt_tokens"]
+
+
+def test_sessions_are_salted_per_run_and_shared_per_team():
+    a, b = make_sessions(4, 2, seed=0), make_sessions(4, 2, seed=0)
+    assert a[0].system == a[1].system != a[2].system
+    assert a[0].system != b[0].system  # a new salt each run: nothing from an earlier run is reused
+    assert re.sub(r"^\[\w+\] ", "", a[0].system) == re.sub(r"^\[\w+\] ", "", b[0].system)
+    assert '"name": "run_tests"' in a[0].system
+
+
+def test_restart_happens_once_after_every_session_finished_turn_k():
+    done_at_restart = []
+    counts = {}
+
+    async def send(ctx, group, state, messages, max_tokens):
+        turn = sum(m["role"] == "assistant" for m in messages) + 1
+        await asyncio.sleep(0.001 * (len(ctx.run.records) % 3))
+        counts[turn] = counts.get(turn, 0) + 1
+        rec = RequestRecord(request_id=len(ctx.run.records), group=group, cache_state=state, status=200,
+                            chunk_times_s=[0.01], text=f"answer {turn}",
+                            usage={"prompt_tokens": 100 * turn}, metrics={"ttft_s": 0.01, "cached_tokens": 90 * turn})
+        ctx.run.records.append(rec)
+        return rec
+
+    async def restart():
+        done_at_restart.append(dict(counts))
+
+    ctx = Ctx(pool=None, base="", headers={}, model="m", run=Run("conversation", {}, {}))
+    opts = ConversationOptions(users=5, turns=4, team_size=2, restart_after_turn=2)
+    sessions = asyncio.run(run_conversation(ctx, opts, send, restart))
+    assert done_at_restart == [{1: 5, 2: 5}]
+    assert all(s["completed"] for s in sessions)
+    summary = summarize(sessions, restart_after_turn=2)
+    assert [t["after_restart"] for t in summary["turns"]] == [False, False, True, False]
+    assert abs(summary["token_hit_rate_turns_2plus"] - 0.9) < 1e-9
