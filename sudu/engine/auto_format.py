@@ -65,7 +65,8 @@ def text_logits(model: torch.nn.Module, token_ids: list[int], pools: list | None
     through this too.)"""
     cfg = model.config
     if pools is None:
-        pools = [KVCache(len(token_ids), cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+        heads, k_dim, v_dim = cfg.kv_cache_shape()
+        pools = [KVCache(len(token_ids), heads, k_dim, torch.float32, v_head_dim=v_dim)
                  for _ in range(cfg.num_hidden_layers)]
     saved, linear.PREFILL_MIN_ROWS = linear.PREFILL_MIN_ROWS, prefill_min_rows
     try:

@@ -40,7 +40,8 @@ def available_memory_bytes() -> int:
 def kv_bytes_per_token(model_cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes of KV one token takes across all layers."""
     c = model_cfg
-    return c.num_hidden_layers * layer_kv_bytes_per_token(kv_cache_dtype, c.num_key_value_heads, c.head_dim, dtype)
+    heads, k_dim, v_dim = c.kv_cache_shape()
+    return c.num_hidden_layers * layer_kv_bytes_per_token(kv_cache_dtype, heads, k_dim, dtype, v_dim)
 
 
 def load_network(model_cfg: ModelConfig, tensors, dtype: torch.dtype) -> torch.nn.Module:
@@ -114,7 +115,7 @@ def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]
     if not token_ids:
         raise SuduError("int8 KV calibration needs at least one token")
     n = len(token_ids)
-    recorders = [KVRangeRecorder(n, c.k.shape[1], c.k.shape[2], c.k.device) for c in caches]
+    recorders = [KVRangeRecorder(n, c.k.shape[1], c.k.shape[2], c.k.device, c.v.shape[2]) for c in caches]
     forward_text(model, token_ids, recorders)
     for cache, rec in zip(caches, recorders):
         if isinstance(cache, Int8KVCache):
@@ -154,8 +155,8 @@ class ModelRunner:
         use_ring = bool(self.sliding_window) and config.sliding_window_kv == "ring"
         ring_layers = set(sliding_layers) if use_ring else set()
         self.ring_layers = ring_layers  # layers whose KV lives in the sliding pool (SlidingWindowBlocks)
-        layer_bytes = layer_kv_bytes_per_token(config.kv_cache_dtype, model_cfg.num_key_value_heads, model_cfg.head_dim,
-                                     self.dtype)
+        kv_heads, k_dim, v_dim = model_cfg.kv_cache_shape()  # multi-head latent attention: one latent entry
+        layer_bytes = layer_kv_bytes_per_token(config.kv_cache_dtype, kv_heads, k_dim, self.dtype, v_dim)
         budget = self._kv_budget_bytes(max_model_len)
         self.sliding_blocks = None
         if ring_layers:
@@ -175,8 +176,7 @@ class ModelRunner:
         for i in range(model_cfg.num_hidden_layers):
             blocks = self.sliding_blocks.num_blocks if i in ring_layers else self.num_blocks
             self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, blocks * self.block_size,
-                                                model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype,
-                                                self.device))
+                                                kv_heads, k_dim, self.dtype, self.device, v_dim))
         if config.kv_cache_dtype == "int8":
             ids = calibration_ids(tokenizer, model_cfg) if tokenizer is not None else []
             log.info("calibrating the int8 KV scales on %d tokens", len(ids))

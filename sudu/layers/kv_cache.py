@@ -53,15 +53,17 @@ def calibration_ids(tokenizer, config) -> list[int]:
 
 
 class KVCache:
+    """v_head_dim: V's width where it differs from K's (multi-head latent attention keeps the rotary key part
+    as K and the compressed latent as V, layers/mla.py)."""
+
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+                 device: torch.device | str = "cpu", v_head_dim: int | None = None):
+        self.k = torch.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.v = torch.zeros((num_slots, num_kv_heads, v_head_dim or head_dim), dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None) -> int:
+        return num_kv_heads * (head_dim + (v_head_dim or head_dim)) * torch.finfo(dtype).bits // 8
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k.index_copy_(0, slots, k.to(self.k.dtype))
@@ -79,10 +81,11 @@ class KVRangeRecorder(KVCache):
     """A float32 pool that records, over everything written to it, K's largest rotate-half pair norm and V's
     largest magnitude per (kv head, channel): the calibration pass's pool."""
 
-    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"):
-        super().__init__(num_slots, num_kv_heads, head_dim, torch.float32, device)
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
+                 v_head_dim: int | None = None):
+        super().__init__(num_slots, num_kv_heads, head_dim, torch.float32, device, v_head_dim)
         self.k_max = torch.zeros(num_kv_heads, head_dim, device=device)
-        self.v_max = torch.zeros(num_kv_heads, head_dim, device=device)
+        self.v_max = torch.zeros(num_kv_heads, v_head_dim or head_dim, device=device)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = k.float(), v.float()
@@ -94,14 +97,16 @@ class KVRangeRecorder(KVCache):
 
 
 class Int8KVCache(KVCache):
-    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"):
-        super().__init__(num_slots, num_kv_heads, head_dim, torch.int8, device)
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
+                 v_head_dim: int | None = None):
+        super().__init__(num_slots, num_kv_heads, head_dim, torch.int8, device, v_head_dim)
         self.k_scale: torch.Tensor | None = None  # float32 [num_kv_heads, head_dim], set by set_range
         self.v_scale: torch.Tensor | None = None
 
     @staticmethod
-    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.int8) -> int:
-        return 2 * num_kv_heads * head_dim
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.int8,
+                        v_head_dim: int | None = None) -> int:
+        return num_kv_heads * (head_dim + (v_head_dim or head_dim))
 
     def set_range(self, k_max: torch.Tensor, v_max: torch.Tensor) -> None:
         """Scales that map +-k_max / +-v_max ([num_kv_heads, head_dim]) to +-127."""
@@ -127,13 +132,14 @@ class Int8KVCache(KVCache):
 
 
 def make_kv_cache(kind: str, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> KVCache:
+                  device: torch.device | str = "cpu", v_head_dim: int | None = None) -> KVCache:
     if kind == "int8":
-        return Int8KVCache(num_slots, num_kv_heads, head_dim, device)
-    return KVCache(num_slots, num_kv_heads, head_dim, dtype, device)
+        return Int8KVCache(num_slots, num_kv_heads, head_dim, device, v_head_dim)
+    return KVCache(num_slots, num_kv_heads, head_dim, dtype, device, v_head_dim)
 
 
-def layer_kv_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def layer_kv_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                             v_head_dim: int | None = None) -> int:
     """Bytes one token's K and V take in one layer."""
     cls = Int8KVCache if kind == "int8" else KVCache
-    return cls.bytes_per_token(num_kv_heads, head_dim, dtype)
+    return cls.bytes_per_token(num_kv_heads, head_dim, dtype, v_head_dim)

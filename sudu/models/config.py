@@ -83,6 +83,13 @@ class ModelConfig:
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
 
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """(heads, K width, V width) of one token's entry in one layer's pool. Multi-head latent attention
+        keeps one shared entry: the rotary key part as K and the compressed latent as V."""
+        if self.kv_lora_rank:
+            return 1, self.qk_rope_head_dim, self.kv_lora_rank
+        return self.num_key_value_heads, self.head_dim, self.head_dim
+
     def is_moe(self, layer_idx: int) -> bool:
         return bool(self.num_experts) and self.moe_layers[layer_idx]
 
