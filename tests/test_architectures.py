@@ -10,7 +10,7 @@ from sudu.sampling import SamplingParams
 from tests.test_engine import GREEDY, prompts_of
 from tests.tiny_models import build_hf_model, save_tiny_model
 
-ARCHS = ["qwen3", "qwen2moe", "qwen3moe", "mixtral"]
+ARCHS = ["qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v3"]
 
 
 def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:

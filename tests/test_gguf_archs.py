@@ -120,7 +120,7 @@ def write_gguf_like_llama_cpp(hf_dir, path, arch: str, split_kv_b: bool = True) 
     w.close()
 
 
-ARCHS = ["qwen3", "qwen2moe", "qwen3moe", "mixtral"]
+ARCHS = ["qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v3", "deepseek_v2"]
 # llama.cpp's qwen2moe has no dense layers (no mlp_only_layers)
 OVERRIDES = {"qwen2moe": {"mlp_only_layers": []}}
 
@@ -130,7 +130,7 @@ def test_gguf_matches_safetensors(tmp_path, arch):
     hf_dir = save_tiny_model(tmp_path / "hf", arch, seed=3, **OVERRIDES.get(arch, {}))
     write_gguf_like_llama_cpp(hf_dir, tmp_path / "m.gguf", arch)
     ref, got = load_checkpoint(str(hf_dir), progress=False), load_checkpoint(str(tmp_path / "m.gguf"), progress=False)
-    skip = {"eos_token_id", "bos_token_id", "max_position_embeddings", "rope_yarn"}
+    skip = {"eos_token_id", "bos_token_id", "max_position_embeddings", "rope_yarn", "num_nextn_predict_layers"}
     for field, value in vars(ref.config).items():
         if field not in skip:
             assert getattr(got.config, field) == value, field
@@ -139,6 +139,21 @@ def test_gguf_matches_safetensors(tmp_path, arch):
         expected.pop("lm_head.weight", None)
     assert set(loaded) == set(expected)
     for name, value in expected.items():
+        assert torch.equal(loaded[name], value), name
+    if arch.startswith("deepseek"):  # llama.cpp keeps only factor, original length and the log multiplier
+        yarn = {k: ref.config.rope_yarn[k] for k in ("factor", "original_max_position_embeddings", "mscale_all_dim")}
+        assert {k: got.config.rope_yarn[k] for k in yarn} == pytest.approx(yarn)
+
+
+def test_deepseek_gguf_with_whole_kv_b(tmp_path):
+    """Files from before llama.cpp's MLA-aware converter store kv_b_proj whole."""
+    hf_dir = save_tiny_model(tmp_path / "hf", "deepseek_v3", seed=3)
+    write_gguf_like_llama_cpp(hf_dir, tmp_path / "m.gguf", "deepseek_v3", split_kv_b=False)
+    ref, got = load_checkpoint(str(hf_dir), progress=False), load_checkpoint(str(tmp_path / "m.gguf"), progress=False)
+    assert got.config.qk_nope_head_dim == ref.config.qk_nope_head_dim
+    assert got.config.v_head_dim == ref.config.v_head_dim
+    loaded = got.state_dict()
+    for name, value in ref.state_dict().items():
         assert torch.equal(loaded[name], value), name
 
 

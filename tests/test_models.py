@@ -13,7 +13,7 @@ from sudu.models.config import ModelConfig
 from sudu.weights import safetensors as st_weights
 from tests.tiny_models import build_hf_model
 
-ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral"]
+ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v3", "deepseek_v2"]
 
 
 def sudu_from_hf(hf) -> torch.nn.Module:
@@ -31,8 +31,8 @@ def sudu_from_hf(hf) -> torch.nn.Module:
 
 
 def kv_pool(cfg: ModelConfig, num_slots: int):
-    return [KVCache(num_slots, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
-            for _ in range(cfg.num_hidden_layers)]
+    heads, k_dim, v_dim = cfg.kv_cache_shape()
+    return [KVCache(num_slots, heads, k_dim, torch.float32, v_head_dim=v_dim) for _ in range(cfg.num_hidden_layers)]
 
 
 def run_pieces(model, pieces_per_seq: list[list[list[int]]], slot_base: list[int], pool):

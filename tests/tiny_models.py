@@ -83,7 +83,8 @@ def hf_config(arch: str, **overrides):
                                     "mscale": 0.8, "mscale_all_dim": 0.8})
         if arch == "deepseek_v3":
             cfg = DeepseekV3Config(routed_scaling_factor=2.5, norm_topk_prob=True, **mla)
-        else:
+        else:  # mscale != mscale_all_dim: YaRN's attention factor scales cos/sin too
+            mla["rope_parameters"]["mscale"] = 1.0
             cfg = DeepseekV2Config(routed_scaling_factor=1.5, topk_method="group_limited_greedy", **mla)
     else:
         raise ValueError(arch)

@@ -263,6 +263,15 @@ class QuantizedLinear(nn.Module):
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
 
 
+class FloatWeight(nn.Module):
+    """A weight matrix that quantize_model leaves alone (it swaps nn.Linear only): MoE routers, whose
+    small errors change which experts run, and MLA's kv_b_proj, which latent attention splits per head."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+
 def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     """One layer computing the given layers' outputs side by side (concatenated along the last dim), for
     layers that read the same input: q/k/v, gate/up. Fewer, larger calls: less per-call overhead, and the

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from sudu.layers.linear import FloatWeight
 from sudu.layers.mlp import GatedMLP
 
 if TYPE_CHECKING:  # sudu.models imports the model files, which import this module
@@ -38,7 +39,7 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class Router(nn.Module):
     """Expert choice per token. The weight stays a float parameter (not an nn.Linear), so quantization
-    leaves it alone: routing decides which weights are read at all, and llama.cpp keeps it in float too."""
+    leaves it alone: routing decides which weights are read at all (llama.cpp keeps it in float too)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -115,8 +116,7 @@ class SparseMoE(nn.Module):
             shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
             if cfg.shared_expert_gate:
                 self.shared_expert = shared
-                self.shared_expert_gate = nn.Module()
-                self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, cfg.hidden_size))
+                self.shared_expert_gate = FloatWeight(1, cfg.hidden_size)
             else:
                 self.shared_experts = shared
 

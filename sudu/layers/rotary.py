@@ -1,25 +1,59 @@
-"""Rotary position embedding (the rotate-half convention of Hugging Face checkpoints)."""
+"""Rotary position embedding (the rotate-half convention of Hugging Face checkpoints), with linear or YaRN
+frequency scaling."""
 from __future__ import annotations
+
+import math
 
 import torch
 
 from sudu import kernels
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context extended `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, base: float, yarn: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than beta_slow times over the original context
+    are interpolated (frequency / factor), those that turn more than beta_fast times kept, a linear ramp
+    between; cos/sin are scaled by the attention factor. Returns (inv_freq, attention factor)."""
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / max(high - low, 0.001)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    attention_factor = yarn.get("attention_factor")
+    if attention_factor is None:
+        if yarn.get("mscale") and yarn.get("mscale_all_dim"):
+            attention_factor = yarn_mscale(factor, yarn["mscale"]) / yarn_mscale(factor, yarn["mscale_all_dim"])
+        else:
+            attention_factor = yarn_mscale(factor)
+    return inv_freq, attention_factor
+
+
 class RotaryEmbedding:
     """cos/sin tables for one (head_dim, base, scaling) triple, computed once up to max_positions."""
 
-    def __init__(self, head_dim: int, base: float, max_positions: int, scaling_factor: float | None = None):
+    def __init__(self, head_dim: int, base: float, max_positions: int, scaling_factor: float | None = None,
+                 yarn: dict | None = None):
         # explicit device: networks are built under torch.device("meta") before their weights load
         cpu = torch.device("cpu")
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
         if scaling_factor:
             inv_freq = inv_freq / scaling_factor
+        attention_factor = 1.0
+        if yarn:
+            inv_freq, attention_factor = yarn_frequencies(inv_freq, head_dim, base, yarn)
         t = torch.arange(max_positions, dtype=torch.float32, device=cpu)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos = emb.cos() * attention_factor
+        self.sin = emb.sin() * attention_factor
 
     def to(self, device: torch.device) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from sudu.models.config import ModelConfig
+from sudu.models.deepseek2 import DeepseekV2ForCausalLM
 from sudu.models.gemma3 import Gemma3ForCausalLM
 from sudu.models.llama import LlamaForCausalLM
 from sudu.models.mixtral import MixtralForCausalLM
@@ -22,6 +23,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "qwen2moe": Qwen2MoeForCausalLM,
     "qwen3moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "deepseek2": DeepseekV2ForCausalLM,
 }
 
 

@@ -1,0 +1,127 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged pool of compressed entries.
+
+Each token stores one entry per layer, shared by all heads: the compressed latent c (kv_lora_rank values,
+after kv_a_layernorm) and the rotary key part k_pe (qk_rope_head_dim values, after RoPE). The pool is an
+ordinary KVCache of one head whose K is k_pe and whose V is c (ModelConfig.kv_cache_shape), so int8 KV,
+prefix caching and the block tables work unchanged. Full K/V would be heads * (qk_nope + qk_rope + v_head)
+values per token; the entry is kv_lora_rank + qk_rope_head_dim.
+
+Attention runs in the absorbed form for every token, prefill and decode alike: with kv_b_proj split per head
+into W_UK [qk_nope, lora] and W_UV [v_head, lora], a head's score q_nope . (W_UK c) + q_pe . k_pe equals
+(W_UK^T q_nope) . c + q_pe . k_pe, and its output W_UV (sum_j p_j c_j). So the queries are mapped into
+latent space once per token, all heads attend over the same [c ; k_pe] keys with c as the values (one
+attention head of heads x new-token query rows), and W_UV maps each head's latent output back. No
+per-head key or value is ever built for the context.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sudu.layers.attention import AttentionMetadata
+from sudu.layers.kv_cache import KVCache
+from sudu.layers.linear import FloatWeight
+from sudu.layers.norm import RMSNorm
+from sudu.layers.rotary import apply_rotary, yarn_mscale
+
+if TYPE_CHECKING:
+    from sudu.models.config import ModelConfig
+
+
+def _fold_heads_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
+    """[..., q, keys] -> [..., heads * q, keys]: query row h * q + j is head h's j-th new token."""
+    return mask.unsqueeze(-3).expand(*mask.shape[:-2], heads, *mask.shape[-2:]).flatten(-3, -2)
+
+
+def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float) -> torch.Tensor:
+    """q: [T, H, kv_lora_rank + rope] (latent-space queries, rotary part last) for the new tokens, whose
+    entries are already in the pool. Returns each head's latent output [T, H, kv_lora_rank]."""
+    T, H, D = q.shape
+    lora = cache.v.shape[-1]
+    out = q.new_empty(T, H, lora)
+    for s in view.seqs:
+        k_pe, c = cache.read(s.key_slots, q.dtype)  # [keys, 1, rope], [keys, 1, lora]
+        keys = torch.cat([c, k_pe], dim=-1)[:, 0]
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).reshape(1, 1, H * s.q_len, D)
+        mask = s.mask
+        if mask is None:  # plain causal from position 0: the new tokens are the whole context
+            mask = torch.ones(s.q_len, s.q_len, dtype=torch.bool, device=q.device).tril()
+        o = F.scaled_dot_product_attention(qs, keys[None, None], c[:, 0][None, None],
+                                           attn_mask=_fold_heads_mask(mask, H), scale=scale)
+        out[s.q_start:s.q_start + s.q_len] = o.view(H, s.q_len, lora).transpose(0, 1)
+    d = view.decode
+    if d is not None:
+        B, max_q = d.rows.shape
+        qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, H, D)
+        qd = qd.transpose(1, 2).reshape(B, 1, H * max_q, D)
+        k_pe, c = cache.read(d.slots, q.dtype)  # [B, keys, 1, rope], [B, keys, 1, lora]
+        keys = torch.cat([c, k_pe], dim=-1)[:, :, 0]
+        o = F.scaled_dot_product_attention(qd, keys[:, None], c[:, :, 0][:, None],
+                                           attn_mask=_fold_heads_mask(d.mask, H), scale=scale)
+        o = o.view(B, H, max_q, lora).transpose(1, 2).reshape(B * max_q, H, lora)
+        rows = d.rows.reshape(-1)
+        if d.padded:
+            valid = rows >= 0
+            rows, o = rows[valid], o[valid]
+        out.index_copy_(0, rows, o)
+    return out
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1), (x2, x3), ... pairs -> (x0, x2, ... | x1, x3, ...): DeepSeek's interleaved rotary pairs in
+    the rotate-half layout. Applied to queries and keys alike, it leaves every score unchanged."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's attention block under its Hugging Face names: q_a_proj / q_a_layernorm / q_b_proj (or q_proj
+    without a query rank), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        H = self.num_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.v_head, self.lora = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                                        cfg.kv_lora_rank)
+        qk = self.nope + self.rope
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.lora + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
+        self.kv_b_proj = FloatWeight(H * (self.nope + self.v_head), self.lora)  # split per head, never quantized
+        self.o_proj = nn.Linear(H * self.v_head, cfg.hidden_size, bias=bias)
+        self.interleaved = cfg.rope_interleave
+        self.scale = qk ** -0.5
+        yarn = cfg.rope_yarn or {}
+        if yarn.get("mscale_all_dim"):
+            self.scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
+        T, H = x.shape[0], self.num_heads
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, H, self.nope + self.rope)
+        q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
+        kv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(kv[:, :self.lora])
+        k_pe = kv[:, None, self.lora:]
+        if self.interleaved:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
+        cache = meta.kv_caches[self.layer_idx]
+        cache.write(meta.full.slot_mapping, k_pe, c[:, None])
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_head, self.lora)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :self.nope])  # [H, T, lora]: W_UK^T q_nope
+        o = latent_attention(torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1), cache, meta.full, self.scale)
+        o = torch.bmm(o.transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # [H, T, v_head]: W_UV o
+        return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_head))
