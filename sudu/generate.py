@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
-        prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        prompt_ids = engine.tokenizer.encode_chat(messages)
     else:
         prompt_ids = engine.tokenizer.encode(prompt)
     t0 = time.perf_counter()

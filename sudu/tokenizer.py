@@ -19,6 +19,7 @@ ids into text pieces without re-decoding the whole output each step.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -29,8 +30,10 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 
-from sudu.errors import SuduError
+from sudu.errors import RequestTooLongError, SuduError
 from sudu.paths import sudu_home
+
+_GIL_FREE_MIN_CHARS = 4096  # texts this long are encoded without holding the GIL
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -194,8 +197,15 @@ def _render_content(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    # OpenAI-style parts: only text parts carry text for a text model.
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+    # OpenAI-style parts: only text parts carry text for a text model; joined by lines, as vLLM does.
+    return "\n".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+
+
+def _chat_message(message: dict) -> dict:
+    """A message as templates expect it: OpenAI's `developer` role is the system role, content is text."""
+    role = message.get("role")
+    return dict(message, role="system" if role == "developer" else role,
+                content=_render_content(message.get("content")))
 
 
 @lru_cache(maxsize=16)
@@ -237,6 +247,13 @@ class Tokenizer:
         if bos_token_id is not None and add_bos and backend.post_processor is None:
             backend.post_processor = _bos_post_processor(backend.id_to_token(bos_token_id), bos_token_id)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token covers (its longest vocabulary entry: a
+        byte-level entry spells each byte as one character, SentencePiece spells a space as one "▁"), so a
+        text of more than max_tokens * max_token_chars characters cannot fit in max_tokens."""
+        return max(len(token) for token in self._backend.get_vocab(with_added_tokens=True))
+
     @property
     def backend(self) -> RustTokenizer:
         """The underlying `tokenizers.Tokenizer` (batch encoding, offsets)."""
@@ -250,9 +267,19 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self._backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; with add_special_tokens, BOS is prepended when the model wants it (Gemma yes, Qwen no)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids; with add_special_tokens, BOS is prepended when the model wants it (Gemma yes, Qwen no).
+        With max_tokens, a text of more tokens raises RequestTooLongError before its ids are built."""
+        if len(text) < _GIL_FREE_MIN_CHARS:
+            encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            # encode_batch runs without the GIL (encode holds it: ~2 s per MB of text), so a long prompt
+            # tokenized in a worker thread never stalls the server's event loop or the engine thread
+            encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise RequestTooLongError(f"the prompt has {len(encoding)} tokens, more than the {max_tokens} this "
+                                      f"model's context holds")
+        return encoding.ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -267,7 +294,7 @@ class Tokenizer:
         """The prompt text for a conversation. The text already holds BOS where the model wants it, so
         encode it with add_special_tokens=False (or use `encode_chat`)."""
         template = _compile_template(self.chat_template or self._default_chat_template())
-        chat = [dict(m, content=_render_content(m.get("content"))) for m in messages]
+        chat = [_chat_message(m) for m in messages]
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                    "pad_token": "" if self.pad_token_id is None else self._backend.id_to_token(self.pad_token_id)}
         try:
@@ -280,8 +307,14 @@ class Tokenizer:
                 raise SuduError(f"chat template: {exc}") from None
             raise
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    max_tokens: int | None = None) -> list[int]:
+        """The token ids of a conversation: the one chat -> ids path (server, `sudu generate --chat`,
+        benchmarks). The template writes its own special tokens; BOS is added only where the tokenizer
+        has one and the rendered text does not already start with it."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        bos = self.bos_token
+        return self.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos), max_tokens=max_tokens)
 
     def _default_chat_template(self) -> str:
         if self.token_to_id("<start_of_turn>") is not None:

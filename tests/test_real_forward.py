@@ -1,7 +1,8 @@
 """Real catalog models through sudu's engine against the transformers reference implementation with
 the very same weights (sudu's dequantized GGUF tensors, whose equality with transformers' own GGUF
 loading is tested in test_real_models.py): next-token argmax on >= 20 prompts in one batch, and a
-greedy 32-token completion of a code prompt, token for token. Slow: marked."""
+greedy 32-token completion of a code prompt, token for token. Slow: marked; the models are pulled from
+the offline catalog on first use."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
-from sudu.weights.catalog import get_entry, is_pulled
+from sudu.weights.catalog import pull
 from sudu.weights.loader import load_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -59,8 +60,7 @@ def hf_reference(ckpt):
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"])
 def test_engine_matches_transformers_on_real_model(name):
-    if not is_pulled(get_entry(name)):
-        pytest.skip(f"{name} is not in the cache; run `sudu models pull {name}`")
+    pull(name, progress=False)  # from the offline catalog on first use
     llm = LLM(name, progress=False, kv_cache_memory=256 << 20, max_model_len=2048, quantization="none")
     tok = llm.tokenizer
     ref = hf_reference(load_checkpoint(name, pull=False, progress=False))

@@ -182,9 +182,11 @@ def test_incremental_detokenizer_flushes_truly_invalid_bytes(byte_tok):
 
 def test_chat_template(byte_tok):
     messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
     text = byte_tok.apply_chat_template(messages)
-    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi\nthere<|im_end|>\n<|im_start|>assistant\n"
+    developer = [{"role": "developer", "content": "be brief"}] + messages[1:]
+    assert byte_tok.apply_chat_template(developer) == text  # OpenAI's developer role is the system role
     assert not byte_tok.apply_chat_template(messages, add_generation_prompt=False).endswith("assistant\n")
     assert byte_tok.encode_chat(messages)[0] == byte_tok.token_to_id("<|im_start|>")
 
