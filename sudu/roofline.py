@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(args.model, pull=True, progress=True)
     formats = [f.strip() for f in args.formats.split(",")]
-    # A VM's bandwidth can move with its neighbours during the run (this project's moved 2x within an
-    # hour), so each format's decode measurement is paired with a bandwidth measurement right after it.
+    # A VM's bandwidth can move with its neighbours during the run (docs/benchmarks.md records such
+    # shifts), so each format's decode measurement is paired with a bandwidth measurement right after it.
     table = Table(title=f"decode roofline: {ckpt.path.name}, {args.threads} threads; bandwidth measured "
                         f"right after each format's decode")
     for col in ("format", "MB read / token", "bandwidth GB/s", "limit tok/s", "sudu tok/s", "fraction of limit"):

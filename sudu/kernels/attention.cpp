@@ -14,7 +14,7 @@
 // Work is split by (sequence, kv head). Keys and values are gathered from the paged pool 64 at a time into a
 // float32 block that stays in L1 while every new token of the sequence and every query head sharing the kv
 // head (GQA) uses it. Scores go 8 keys per step: 8 dot products side by side, reduced together, rather than
-// one horizontal sum per key (what made long contexts slow: decode at 4K keys spent ~20 ms a step here). An
+// one horizontal sum per key (which made decode at long contexts slow). An
 // int8 pool's K scales are folded into the query (q . (k * s) = (q * s) . k), its V scales into the output.
 // Per (query row, head): scores for the keys in its mask's span (masked ones inside it -inf), max, exp
 // (vectorized, ~1 ulp), sum, then the weighted values in key order, the accumulator in registers. A row's
@@ -44,8 +44,7 @@ constexpr int64_t KB = 64;  // keys per block: a block's K or V, as float32 [KB,
 
 // Keys j0..j0+n-1 of a sequence (kv head g) from the pool into buf [KB, D] as float32, zero past n. The
 // next block's rows (keys j0 + KB .. j1 - 1) are requested meanwhile, so they arrive while this block is
-// computed on: without it the gathers wait on memory one block at a time (at 4K keys of float32 K and V,
-// ~8 GB/s).
+// computed on: without it the gathers wait on memory one block at a time (docs/cpu_speed.md).
 template <typename KV>
 inline void gather_block(const KV* pool, const int64_t* seq_slots, int64_t j0, int64_t n, int64_t j1, int64_t Hkv,
                          int64_t g, int64_t D, float* buf) {

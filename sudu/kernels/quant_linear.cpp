@@ -89,8 +89,8 @@ inline void prefetch_start(const uint8_t* q) {
 //   acc = fma(float(S), sx * s, acc)   (int4 then: acc = fma(m, xsum, acc))   (16 lanes = 16 rows)
 // with sx the activation block's scale and xsum = sx * sum(codes) (the min term sum(m * x)), and
 // y = acc + bias, written with no horizontal sum. Rows laid out one after another needed that float work
-// once per row and block (int4: per 4 blocks, with the activation codes reordered to meet the nibbles):
-// 1.5-1.9x the time at 1-8 rows (benchmarks/linear_kernels.py). The AVX2 kernels compute each tile as two
+// once per row and block (int4: per 4 blocks, with the activation codes reordered to meet the nibbles), and
+// were slower at 1-8 rows (benchmarks/linear_kernels.py; figures in docs/cpu_speed.md). The AVX2 kernels compute each tile as two
 // 8-lane halves: the same integers (maddubs + madd), the same float operations in the same order, bit for
 // bit the same rows; and a row's result is independent of the other rows and tiles it shares a call with.
 //
@@ -101,7 +101,7 @@ inline void prefetch_start(const uint8_t* q) {
 //   chunk c, lane l = row l's columns 4c..4c+3, stored as q + 128 in [1, 255]: vpdpbusd's unsigned
 //   operand), then the two blocks' 16 float16 scales (32 bytes each); an odd last block is paired with a
 //   zero one. So the codes stay 64-byte aligned and the tile is one stream (scales kept after all of a
-//   tile's codes streamed at 22-26 GB/s where int4 tiles streamed at 34-37). vpdpbusd then sums
+//   tile's codes streamed well below int4 tiles: docs/cpu_speed.md). vpdpbusd then sums
 //   (q + 128) * x; starting the sum at -128 * sum(x) leaves exactly sum(q * x), the integer the AVX2
 //   kernel computes.
 constexpr int64_t TILE_ROWS = 16, Q4_BLOCK_BYTES = 320, Q8_CODE_BYTES = 512, Q8_PAIR_BYTES = 1088;
@@ -125,8 +125,8 @@ struct Acts {
 
 // R activation rows against `count` consecutive tiles from p; tile t's outputs go to y[i * ldy + 16 * t + l]
 // (padding rows included: the caller's buffer has room). One tile at a time keeps each thread reading one
-// stream of weights: measured fastest where the weights come from memory (0.5B decode 75-80 tok/s against
-// 66 with 4 tiles per round and 63 with 2; the int8 head at 2-4 rows 32-35 GB/s against 25-26 with 2).
+// stream of weights: measured fastest where the weights come from memory, against 2 and 4 tiles per round
+// (docs/cpu_speed.md, the tile kernels).
 // CH (int8): dependency chains per block (below); 4 for 1-2 rows, 2 from 3 (registers)
 template <bool INT4, int R, int CH>
 SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y,
@@ -162,9 +162,8 @@ SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, co
           acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[i * nb + b]), acc[i]);
         }
       } else {
-        // the 8 chunks in CH independent dependency chains, added in integers at the end (one chain of 8
-        // streamed the 0.5B head at 22 GB/s, two at 26; at one row four took 6-12% less time than two,
-        // alternating in one process)
+        // the 8 chunks in CH independent dependency chains, added in integers at the end (more chains
+        // streamed faster, four fastest at one row: docs/cpu_speed.md)
         __m512i S[CH][R];
         for (int i = 0; i < R; ++i) {
           S[0][i] = _mm512_set1_epi32(-128 * a.isum[i * nb + b]);

@@ -16,12 +16,12 @@ Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py fo
                          blocks of 32 (llama.cpp's Q8 activations), integer dot products against the
                          quantized weights (AVX2, or AVX-512 VNNI where present), each weight row read from
                          memory once per call whatever M is. One row is bound by memory bandwidth; a batch
-                         of 8 costs ~4x one row, not 8x. Every row takes the same float operations at every
+                         of 8 costs far less than 8 rows one by one. Every row takes the same float operations at every
                          M and on either instruction set, so results are bit for bit independent of the
                          batch: greedy speculative decoding stays identical to plain decoding.
   M >= PREFILL_MIN_ROWS  prefill chunks: dequantize slices of output channels (each temporary under
                          DEQUANT_SLICE_BYTES) and run GEMMs, in bfloat16 on CPUs with native bf16
-                         dot products (avx512_bf16 / AMX: ~2x the kernel's rate from ~256 rows up), else in
+                         dot products (avx512_bf16 / AMX: faster than the kernel from a few hundred rows), else in
                          float32 (the kernel stays faster up to its 512 rows, so the switch is at 513).
 Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
 PyTorch ops: correct, but decode loses the quantization speed-up. (PyTorch's own packed kernels,
@@ -314,8 +314,8 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
 AUTO_FORMAT = "int4"
 # ... except the output head, which `auto` keeps at 8 bits (as llama.cpp's Q4_K_M keeps it at 6-8): the most
 # sensitive matrix (it alone decides the argmax), and in the catalog's files already Q8_0, copied exactly.
-# Costs ~1 ms per decoded token on the 0.5B. Measured (tests/test_quantization_accuracy.py,
-# docs/cpu_speed.md): int4 everywhere 96.1%, +3.30% (misses); auto 96.7%, +1.41%; int8 98.0%, +1.00%.
+# int4 everywhere misses the accuracy bar above; the figures, and the head's cost per token, are in
+# docs/cpu_speed.md (measured by tests/test_quantization_accuracy.py).
 AUTO_HEAD_FORMAT = "int8"
 FLOAT_GGML_TYPES = {"F32", "F16", "BF16"}
 

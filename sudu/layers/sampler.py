@@ -32,7 +32,7 @@ class SampledToken:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of [R, V] logits, as torch.argmax(dim=-1) (the first among equals; NaN counts as
-    largest). The native kernel takes ~10 us for a 152K vocabulary where torch's CPU argmax takes ~130."""
+    largest). The native kernel is vectorized; torch's CPU argmax is a scalar loop."""
     ext = kernels.load() if logits.is_cpu else None
     if ext is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1]:
         return ext.argmax_rows(logits)
