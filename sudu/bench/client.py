@@ -3,11 +3,11 @@ arrival time of every content chunk. httpx.AsyncClient does the HTTP; this file 
 `data:` lines of the body, which keeps the per-chunk cost small and the timestamps honest
 (time.perf_counter() taken as the bytes arrive, before any JSON is decoded).
 
-Tokens per chunk (for ITL and the peak-window throughput), in order of preference:
-1. the server's per-chunk information: `choices[0].logprobs.content` (one entry per token), or a
-   cumulative `usage.completion_tokens` on content chunks (vLLM's continuous usage stats);
-2. the model's tokenizer, when a `count_tokens` callable is given;
-3. otherwise 1 token per content chunk (the record says which source was used).
+Per content chunk the client keeps what it can learn about its token count: the server's own count
+(`choices[0].logprobs.content` entries, or the increase of a cumulative `usage.completion_tokens` sent
+with `stream_options.continuous_usage_stats`), the model tokenizer's count of the chunk's text when a
+`count_tokens` callable is given, and the text's length. `metrics.chunk_token_counts` decides from
+these, and says which it used.
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from urllib.parse import urlsplit
 
 import httpx
 
-TOKENS_FROM_SERVER = "server"
-TOKENS_FROM_TOKENIZER = "tokenizer"
 TOKENS_ASSUMED_ONE = "assumed-1-per-chunk"
 
 
@@ -39,8 +37,12 @@ class RequestRecord:
     error: str | None = None
     first_byte_s: float | None = None
     chunk_times_s: list[float] = field(default_factory=list)  # content chunks only
-    chunk_tokens: list[int] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)  # decided by metrics.chunk_token_counts
     token_source: str = TOKENS_ASSUMED_ONE
+    chunk_tokens_server: list[int | None] = field(default_factory=list)  # the server's count, None: not told
+    chunk_server_kind: str | None = None  # "usage" (continuous usage stats) or "logprobs"
+    chunk_tokens_text: list[int] | None = None  # the tokenizer on each chunk's text
+    chunk_chars: list[int] = field(default_factory=list)
     finish_s: float | None = None  # the chunk carrying finish_reason
     done_s: float | None = None  # body fully read
     text: str = ""
@@ -122,14 +124,18 @@ def auth_headers(api_key: str | None) -> dict:
     return headers
 
 
-def chat_body(model: str, messages: list[dict], max_tokens: int, temperature: float = 0.0, **extra) -> dict:
+def chat_body(model: str, messages: list[dict], max_tokens: int, temperature: float = 0.0,
+              continuous_usage: bool = False, **extra) -> dict:
+    options = {"include_usage": True}
+    if continuous_usage:
+        options["continuous_usage_stats"] = True
     body = {
         "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": temperature,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": options,
     }
     body.update(extra)
     return body
@@ -166,17 +172,18 @@ async def fetch_server_info(client: httpx.AsyncClient, base: str, headers: dict)
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _chunk_token_count(chunk: dict, choice: dict, prev_completion_tokens: list[int]) -> int | None:
+def _server_token_count(chunk: dict, choice: dict, prev_completion_tokens: list[int]) -> tuple[int | None, str | None]:
+    """(tokens this content chunk carries, "logprobs" | "usage") as the server tells it, else (None, None).
+    A cumulative count that did not grow is 0 tokens: the text of tokens counted on an earlier chunk."""
     logprobs = choice.get("logprobs")
     if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list) and logprobs["content"]:
-        return len(logprobs["content"])
+        return len(logprobs["content"]), "logprobs"
     usage = chunk.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         k = usage["completion_tokens"] - prev_completion_tokens[0]
         prev_completion_tokens[0] = usage["completion_tokens"]
-        if k > 0:
-            return k
-    return None
+        return max(0, k), "usage"
+    return None, None
 
 
 async def stream_chat(
@@ -194,7 +201,9 @@ async def stream_chat(
     record.prompt_chars = sum(len(m.get("content") or "") for m in body.get("messages", []))
     text_parts: list[str] = []
     prev_completion_tokens = [0]
-    sources: set[str] = set()
+    kinds: set[str] = set()
+    if count_tokens is not None:
+        record.chunk_tokens_text = []
     saw_done = False
     payload = json.dumps(body).encode()
     t0 = perf()
@@ -251,17 +260,14 @@ async def stream_chat(
                         piece = delta.get("content") or delta.get("reasoning_content") or ""
                         if piece:
                             text_parts.append(piece)
-                            k = _chunk_token_count(chunk, choice, prev_completion_tokens)
-                            if k is not None:
-                                sources.add(TOKENS_FROM_SERVER)
-                            elif count_tokens is not None:
-                                k = max(1, count_tokens(piece))
-                                sources.add(TOKENS_FROM_TOKENIZER)
-                            else:
-                                k = 1
-                                sources.add(TOKENS_ASSUMED_ONE)
+                            k, kind = _server_token_count(chunk, choice, prev_completion_tokens)
+                            if kind:
+                                kinds.add(kind)
                             record.chunk_times_s.append(t)
-                            record.chunk_tokens.append(k)
+                            record.chunk_tokens_server.append(k)
+                            record.chunk_chars.append(len(piece))
+                            if count_tokens is not None:
+                                record.chunk_tokens_text.append(max(1, count_tokens(piece)))
                         if choice.get("finish_reason"):
                             record.finish_reason = choice["finish_reason"]
                             record.finish_s = t
@@ -271,10 +277,7 @@ async def stream_chat(
         err = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         record.error = err if record.error is None else f"{record.error}; then {err}"
     record.text = "".join(text_parts)
-    if len(sources) == 1:
-        record.token_source = sources.pop()
-    elif sources:
-        record.token_source = "mixed:" + "+".join(sorted(sources))
+    record.chunk_server_kind = "+".join(sorted(kinds)) or None
     if record.error is None and not saw_done and record.finish_reason is None:
         record.error = "stream ended without finish_reason or [DONE]"
     if record.error is None and not record.chunk_times_s:

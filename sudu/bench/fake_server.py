@@ -45,12 +45,14 @@ def chat_script(
     finish_at_s: float | None = None,
     model: str = "fake",
     logprob_tokens: list[int] | None = None,
+    continuous_usage_tokens: list[int] | None = None,
     headers_at_s: float = 0.0,
     headers: dict | None = None,
 ) -> ScriptedResponse:
     """A streaming answer: an optional role-only first chunk, content `pieces` (offset, text), a finish
     chunk, a usage chunk when `usage` is given, and [DONE]. `logprob_tokens[i]` attaches that many
-    logprob entries to piece i (the server telling how many tokens a chunk carries)."""
+    logprob entries to piece i, `continuous_usage_tokens[i]` a running usage that grew by that much with
+    piece i (two ways for a server to tell how many tokens a chunk carries)."""
     events: list[Event] = []
     if role_at_s is not None:
         events.append(Event(role_at_s, _chunk(model, {"role": "assistant", "content": ""})))
@@ -58,6 +60,9 @@ def chat_script(
         c = _chunk(model, {"content": text})
         if logprob_tokens is not None:
             c["choices"][0]["logprobs"] = {"content": [{"token": "t", "logprob": 0.0}] * logprob_tokens[i]}
+        if continuous_usage_tokens is not None:
+            done = sum(continuous_usage_tokens[: i + 1])
+            c["usage"] = {"prompt_tokens": 3, "completion_tokens": done, "total_tokens": 3 + done}
         events.append(Event(at, c))
     end = finish_at_s if finish_at_s is not None else (pieces[-1][0] if pieces else 0.0)
     finish = _chunk(model, {}, "stop")

@@ -11,19 +11,22 @@ SCHEMA = "sudu-bench/1"
 DEFINITIONS = {
     "ttft_s": "Time to first token: request sent -> first chunk carrying generated content "
     "(role-only or empty chunks do not count).",
-    "tpot_s": "Time per output token: (e2e - TTFT) / (output_tokens - 1), per request, excluding the first "
-    "token. Per-request output speed = 1 / TPOT.",
+    "tpot_s": "Time per output token: (e2e - TTFT) / (tokens in the content chunks - tokens of the first "
+    "content chunk), per request: the tokens that arrived after the first chunk over the time they took. "
+    "Per-request output speed = 1 / TPOT.",
     "itl_s": "Inter-token latency: gaps between consecutive content chunks, per token: a chunk carrying k "
-    "tokens contributes k gaps of gap/k. Tokens per chunk come from the server's per-chunk info "
-    "(logprobs entries, cumulative usage) if present, else the model's tokenizer, else 1.",
+    "tokens contributes k gaps of gap/k. Tokens per chunk: the server's per-chunk counts (continuous usage "
+    "stats, logprobs entries) when it sends them; else usage's total apportioned over the chunks by their "
+    "texts' token counts (characters without a tokenizer), so the sum equals usage; each record says which.",
     "e2e_s": "End to end: request sent -> last content chunk.",
     "task_time_s": "Task time: task start -> the task's answer passes its checker, every call counted; "
     "a task that never passes has no time (a wrong answer is never a fast answer).",
     "output_tokens": "From the server's usage (stream_options.include_usage is always sent); re-counted "
     "with the model's tokenizer when sudu knows the model; a gap > 2% is reported (a stop token counted "
     "by the server but sent as no text is not a gap).",
-    "throughput_tok_s": "Total output tokens / measurement window (first request sent -> last request "
-    "done). Peak = best 1-s window, reported next to the mean, never instead of it.",
+    "throughput_tok_s": "Output tokens of completed requests / measurement window (first request sent -> "
+    "last request done); tokens of streams that failed partway are counted apart. Peak = best 1-s window, "
+    "reported next to the mean, never instead of it.",
     "goodput_req_s": "Requests meeting every SLO / measurement window.",
     "cache_state": "Declared per workload: cold (a unique random salt at the very start of every prompt), "
     "warm (the identical prompt was sent just before), shared-prefix (a common system prompt, distinct "
@@ -33,7 +36,9 @@ DEFINITIONS = {
     "Server-Timing header): request sent -> finish chunk = network/client + queue + prefill + decode, "
     "network/client being the rest.",
     "statistics": "Warm-up requests excluded; n, mean, median, p90, p99 and a seeded bootstrap 95% CI of "
-    "the mean for every figure; too few samples -> no CI, said so.",
+    "the mean for every figure, resampling what is independent: requests for per-request figures and for "
+    "ITL (all of a request's gaps together), contiguous time blocks for per-second throughput; too few "
+    "samples -> no CI, said so.",
 }
 
 TOKEN_GAP_LIMIT = 0.02
@@ -54,12 +59,61 @@ def cached_tokens(usage: dict | None, sudu: dict | None = None) -> int | None:
 
 
 def itl_per_token(chunk_times_s: list[float], chunk_tokens: list[int]) -> list[float]:
+    """Per-token gaps. A chunk of k tokens spreads the time since the previous token-carrying chunk over
+    k gaps; a 0-token chunk (text of tokens counted earlier) adds none."""
     gaps: list[float] = []
-    for i in range(1, len(chunk_times_s)):
-        k = max(1, chunk_tokens[i])
-        g = (chunk_times_s[i] - chunk_times_s[i - 1]) / k
-        gaps.extend([g] * k)
+    last = None
+    for t, k in zip(chunk_times_s, chunk_tokens):
+        if k <= 0:
+            continue
+        if last is not None:
+            gaps.extend([(t - last) / k] * k)
+        last = t
     return gaps
+
+
+def apportion(total: int, weights: list[int]) -> list[int]:
+    """Integers proportional to `weights` summing to `total` (largest remainder). With total >= the
+    number of chunks every chunk gets at least one token: a chunk with text carries a token."""
+    n = len(weights)
+    if n == 0:
+        return []
+    base = [1] * n if total >= n else [0] * n
+    extra = total - sum(base)
+    w = [max(0, x) for x in weights]
+    if sum(w) == 0:
+        w = [1] * n
+    shares = [extra * x / sum(w) for x in w]
+    out = [b + int(q) for b, q in zip(base, shares)]
+    order = sorted(range(n), key=lambda i: (-(shares[i] - int(shares[i])), i))
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+STOP_TOKEN_SLACK = 1  # a server counts the stop token it generated but sent as no text
+
+
+def chunk_token_counts(rec) -> tuple[list[int], str, str | None]:
+    """(tokens per content chunk, where they came from, a mismatch to flag or None)."""
+    n = len(rec.chunk_times_s)
+    usage = (rec.usage or {}).get("completion_tokens")
+    usage = usage if isinstance(usage, int) else None
+    server = rec.chunk_tokens_server
+    if n and len(server) == n and all(k is not None for k in server):
+        source = f"server:{rec.chunk_server_kind}"
+        total = sum(server)
+        if usage is not None and not 0 <= usage - total <= STOP_TOKEN_SLACK:
+            return list(server), source, f"per-chunk counts sum to {total}, usage says {usage}"
+        return list(server), source, None
+    text = rec.chunk_tokens_text
+    if usage is not None:
+        if text and len(text) == n:
+            return apportion(usage, text), "usage apportioned by tokenizer", None
+        return apportion(usage, rec.chunk_chars or [1] * n), "usage apportioned by characters", None
+    if text and len(text) == n:
+        return list(text), "tokenizer (no usage)", None
+    return [1] * n, "assumed-1-per-chunk (no usage)", None
 
 
 def timing_breakdown(rec) -> dict | None:
@@ -82,6 +136,7 @@ def request_metrics(rec) -> dict:
     m["cached_tokens"] = cached_tokens(rec.usage, rec.sudu)
     if not rec.chunk_times_s:
         return m
+    rec.chunk_tokens, rec.token_source, mismatch = chunk_token_counts(rec)
     ttft = rec.chunk_times_s[0]
     e2e = rec.chunk_times_s[-1]
     chunk_sum = sum(rec.chunk_tokens)
@@ -89,9 +144,13 @@ def request_metrics(rec) -> dict:
         out, source = usage["completion_tokens"], "usage"
     else:
         out, source = chunk_sum, "chunks:" + rec.token_source
-    m.update(ttft_s=ttft, e2e_s=e2e, output_tokens=out, output_tokens_source=source, chunk_tokens=chunk_sum)
-    if out > 1 and e2e > ttft:
-        m["tpot_s"] = (e2e - ttft) / (out - 1)
+    m.update(ttft_s=ttft, e2e_s=e2e, output_tokens=out, output_tokens_source=source, chunk_tokens=chunk_sum,
+             chunk_token_source=rec.token_source)
+    if mismatch:
+        m["chunk_token_mismatch"] = mismatch
+    after_first = chunk_sum - rec.chunk_tokens[0]
+    if after_first > 0 and e2e > ttft:
+        m["tpot_s"] = (e2e - ttft) / after_first
         m["output_speed_tok_s"] = 1.0 / m["tpot_s"]
     m["itl_s"] = itl_per_token(rec.chunk_times_s, rec.chunk_tokens)
     breakdown = timing_breakdown(rec)
@@ -109,13 +168,16 @@ def measured(records) -> list:
 
 
 def throughput(records) -> dict:
-    """Output tokens over the measurement window; peak over the best 1-s window. Each chunk's tokens are
-    scaled so that a request's total equals its reported output tokens."""
-    recs = [r for r in measured(records) if r.chunk_times_s]
-    if not recs:
+    """Output tokens of completed requests over the measurement window (which spans failed ones too: they
+    held the server); peak over the best 1-s window. Each chunk's tokens are scaled so that a request's
+    total equals its reported output tokens. Tokens of streams that failed partway are counted apart."""
+    started = [r for r in measured(records) if r.chunk_times_s]
+    recs = [r for r in started if r.ok]
+    failed = [r for r in started if not r.ok]
+    if not started:
         return {"n_requests": 0}
     start = min(r.t_sent_s for r in measured(records))
-    end = max(r.t_sent_s + (r.done_s if r.done_s is not None else r.chunk_times_s[-1]) for r in recs)
+    end = max(r.t_sent_s + (r.done_s if r.done_s is not None else r.chunk_times_s[-1]) for r in started)
     window = max(end - start, 1e-9)
     events: list[tuple[float, float]] = []
     total = 0
@@ -129,6 +191,8 @@ def throughput(records) -> dict:
         "n_requests": len(recs),
         "window_s": window,
         "output_tokens": total,
+        "failed_streams": len(failed),
+        "failed_stream_tokens": sum(sum(r.chunk_tokens) for r in failed),
         "mean_tok_s": total / window,
         "requests_per_s": len(recs) / window,
     }
@@ -239,17 +303,31 @@ def token_gap(out: int, recount: int, finish_reason: str | None) -> float:
     return gap
 
 
-def token_gap_flags(records) -> list[str]:
-    flags = []
+def token_checks(records) -> tuple[list[str], list[str]]:
+    """(flags, notes) on token counts. A flag: per-chunk counts that contradict usage, or a tokenizer
+    recount more than 2% off usage when nothing else backs usage. When the server's own per-chunk counts
+    add up to its usage, the figures do not rest on the recount, and a recount gap is a note: text
+    re-tokenizes differently from how it was generated (repetitive text especially)."""
+    flags, backed = [], []
     for r in measured(records):
+        mismatch = r.metrics.get("chunk_token_mismatch")
+        if mismatch:
+            flags.append(f"request {r.request_id} ({r.group}): {mismatch}")
         recount = r.metrics.get("output_tokens_recounted")
         out = r.metrics.get("output_tokens")
         if recount is None or not out:
             continue
         gap = token_gap(out, recount, r.finish_reason)
-        if gap > TOKEN_GAP_LIMIT:
-            flags.append(
-                f"request {r.request_id} ({r.group}): server says {out} output tokens, tokenizer counts {recount} "
-                f"({gap:.1%} > {TOKEN_GAP_LIMIT:.0%})"
-            )
-    return flags
+        if gap <= TOKEN_GAP_LIMIT:
+            continue
+        if str(r.metrics.get("chunk_token_source", "")).startswith("server:") and not mismatch:
+            backed.append(gap)
+            continue
+        flags.append(f"request {r.request_id} ({r.group}): server says {out} output tokens, tokenizer counts "
+                     f"{recount} ({gap:.1%} > {TOKEN_GAP_LIMIT:.0%})")
+    notes = []
+    if backed:
+        notes.append(f"{len(backed)} requests: the tokenizer's recount of the text is {min(backed):.0%}-{max(backed):.0%} "
+                     "off usage, but the server's per-chunk counts add up to usage (text re-tokenizes differently "
+                     "from how it was generated)")
+    return flags, notes

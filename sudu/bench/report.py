@@ -70,22 +70,28 @@ def group_summary(run, group, slo: dict) -> dict:
         values = [r.metrics.get(key) for r in ok]
         if any(v is not None for v in values):
             out["metrics"][key] = summarize(values).to_dict()
-    itl = [g for r in ok for g in r.metrics.get("itl_s", [])]
-    if itl:
-        out["metrics"]["itl_s"] = summarize(itl).to_dict()
+    itl = [r.metrics.get("itl_s", []) for r in ok]
+    if any(itl):
+        out["metrics"]["itl_s"] = summarize(itl, kind="cluster").to_dict()
     parts = [r.metrics["attribution"] for r in ok if "attribution" in r.metrics]
     if parts:
         out["attribution"] = {k: summarize([p[k] for p in parts]).to_dict() for k in ATTRIBUTION}
     thr = M.throughput(recs)
     if thr.get("per_second_tok"):
-        thr["per_second_summary"] = summarize(thr["per_second_tok"]).to_dict()
+        thr["per_second_summary"] = summarize(thr["per_second_tok"], kind="block").to_dict()
     out["throughput"] = thr
     out["goodput"] = M.goodput(recs, slo, thr.get("window_s") or 0.0)
     out["observed_cache"] = M.observed_cache(recs)
     failed = len(recs) - len(ok)
     out["flags"] = ([f"{group.name}: {failed} of {len(recs)} requests failed ({out['errors'][0]})"] if failed else [])
-    out["flags"] += M.cache_flags(recs) + M.token_gap_flags(recs)
-    sources = sorted({r.token_source for r in ok})
+    token_flags, out["notes"] = M.token_checks(recs)
+    out["flags"] += M.cache_flags(recs) + token_flags
+    if thr.get("failed_streams"):
+        out["notes"].append(f"{thr['failed_streams']} streams failed partway after {thr['failed_stream_tokens']} "
+                            "tokens: not in the throughput")
+    sources: dict[str, int] = {}
+    for r in ok:
+        sources[r.token_source] = sources.get(r.token_source, 0) + 1
     out["chunk_token_source"] = sources
     return out
 
@@ -138,7 +144,7 @@ def build_report(run, slo: dict | None = None) -> dict:
         "task_runs": run.task_results,
         "conversation": conversation_summary(run),
         "flags": flags,
-        "notes": run.notes,
+        "notes": run.notes + [f"{g['name']}: {n}" for g in groups for n in g["notes"]],
         "records": [r.to_dict() for r in run.records],
     }
 
@@ -250,6 +256,9 @@ def markdown_summary(report: dict) -> str:
     header, rows = group_rows(report)
     if rows:
         parts.append(_md_table(header, rows))
+        parts.append("Tokens per chunk (ITL, TPOT): " + "; ".join(
+            f"{g['name']}: " + ", ".join(f"{src} ({k})" for src, k in g["chunk_token_source"].items())
+            for g in report["groups"] if g.get("chunk_token_source")))
     header, rows = cache_rows(report)
     if rows:
         parts += ["## Cache effect (median TTFT; observed cached tokens as evidence)", _md_table(header, rows)]

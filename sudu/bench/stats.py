@@ -1,12 +1,20 @@
 """Statistics for sudu bench: per-figure summaries (n, mean, median, p90, p99) with a seeded bootstrap
-95% CI of the mean, and the bootstrap CI of an A/B ratio of means. Too few samples -> no CI, said so."""
+95% CI of the mean, and the bootstrap CI of an A/B ratio of means. Too few samples -> no CI, said so.
+
+The bootstrap resamples what is independent, never less:
+- `iid`: one value per request (TTFT, TPOT, E2E, ...);
+- `cluster`: values that come in groups sharing a cause, such as the ITL gaps of one request (one slow
+  request makes all its gaps slow): whole requests are resampled, the statistic is the pooled mean;
+- `block`: a time series, such as tokens per second: contiguous blocks of it are resampled (circular
+  moving blocks of about sqrt(n)), which keeps the dependence between neighbouring seconds.
+Resampling dependent values as if independent makes intervals too narrow."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-MIN_SAMPLES_FOR_CI = 10  # below this a percentile bootstrap of the mean is not worth printing
+MIN_SAMPLES_FOR_CI = 10  # resampling units (values, requests, blocks' worth of seconds) below which no CI
 BOOTSTRAP_RESAMPLES = 2000
 DEFAULT_SEED = 0
 TOO_FEW = "too few samples"
@@ -22,30 +30,70 @@ class Summary:
     ci_low: float | None = None  # bootstrap 95% CI of the mean
     ci_high: float | None = None
     note: str = ""  # "too few samples" when there is no CI
+    resampling: str = "iid"
+    n_units: int = 0  # independent units resampled: values, requests (cluster) or seconds (block)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def summarize(values, seed: int = DEFAULT_SEED, min_n: int = MIN_SAMPLES_FOR_CI) -> Summary:
-    data = np.asarray([v for v in values if v is not None], dtype=float)
+def _prepare(data, kind: str):
+    """-> (pooled values, the resampling units, number of units)."""
+    if kind == "cluster":
+        groups = [np.asarray([v for v in g if v is not None], dtype=float) for g in data]
+        groups = [g for g in groups if g.size]
+        pooled = np.concatenate(groups) if groups else np.zeros(0)
+        return pooled, groups, len(groups)
+    if kind not in ("iid", "block"):
+        raise ValueError(f"unknown resampling {kind!r}")
+    values = np.asarray([v for v in data if v is not None], dtype=float)
+    return values, values, int(values.size)
+
+
+def block_length(n: int) -> int:
+    return max(1, int(round(np.sqrt(n))))
+
+
+def resampled_means(units, kind: str, rng: np.random.Generator, resamples: int = BOOTSTRAP_RESAMPLES) -> np.ndarray:
+    """`resamples` bootstrap replicates of the mean, resampling by `kind` (see the module docstring)."""
+    if kind == "cluster":
+        sums = np.asarray([g.sum() for g in units])
+        counts = np.asarray([g.size for g in units], dtype=float)
+        idx = rng.integers(0, len(units), size=(resamples, len(units)))
+        return sums[idx].sum(axis=1) / counts[idx].sum(axis=1)
+    n = units.size
+    if kind == "block":
+        length = block_length(n)
+        k = -(-n // length)
+        starts = rng.integers(0, n, size=(resamples, k, 1))
+        idx = ((starts + np.arange(length)) % n).reshape(resamples, k * length)[:, :n]
+        return units[idx].mean(axis=1)
+    return units[rng.integers(0, n, size=(resamples, n))].mean(axis=1)
+
+
+def summarize(values, seed: int = DEFAULT_SEED, min_n: int = MIN_SAMPLES_FOR_CI, kind: str = "iid") -> Summary:
+    """`values`: numbers (iid, block: in time order) or, for kind="cluster", a list of groups of numbers."""
+    data, units, n_units = _prepare(values, kind)
     n = int(data.size)
     if n == 0:
-        return Summary(n=0, note="no samples")
+        return Summary(n=0, note="no samples", resampling=kind)
     median, p90, p99 = (float(x) for x in np.percentile(data, [50, 90, 99]))
-    s = Summary(n=n, mean=float(data.mean()), median=median, p90=p90, p99=p99)
-    if n < min_n:
-        s.note = f"{TOO_FEW} for a 95% CI (n={n} < {min_n})"
+    s = Summary(n=n, mean=float(data.mean()), median=median, p90=p90, p99=p99, resampling=kind, n_units=n_units)
+    if n_units < min_n:
+        s.note = f"{TOO_FEW} for a 95% CI ({n_units} {_unit(kind)} < {min_n})"
         return s
-    s.ci_low, s.ci_high = bootstrap_mean_ci(data, seed)
+    s.ci_low, s.ci_high = bootstrap_mean_ci(units, seed, kind=kind)
     return s
 
 
-def bootstrap_mean_ci(data, seed: int = DEFAULT_SEED, level: float = 0.95) -> tuple[float, float]:
-    data = np.asarray(data, dtype=float)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, data.size, size=(BOOTSTRAP_RESAMPLES, data.size))
-    means = data[idx].mean(axis=1)
+def _unit(kind: str) -> str:
+    return {"cluster": "requests", "block": "seconds"}.get(kind, "samples")
+
+
+def bootstrap_mean_ci(units, seed: int = DEFAULT_SEED, level: float = 0.95, kind: str = "iid") -> tuple[float, float]:
+    if kind != "cluster":
+        units = np.asarray(units, dtype=float)
+    means = resampled_means(units, kind, np.random.default_rng(seed))
     alpha = (1.0 - level) / 2.0
     low, high = np.quantile(means, [alpha, 1.0 - alpha])
     return float(low), float(high)
@@ -67,9 +115,11 @@ class Ratio:
         return asdict(self)
 
 
-def ratio_ci(a, b, seed: int = DEFAULT_SEED, min_n: int = MIN_SAMPLES_FOR_CI, level: float = 0.95) -> Ratio:
-    xa = np.asarray([v for v in a if v is not None], dtype=float)
-    xb = np.asarray([v for v in b if v is not None], dtype=float)
+def ratio_ci(a, b, seed: int = DEFAULT_SEED, min_n: int = MIN_SAMPLES_FOR_CI, level: float = 0.95,
+             kind: str = "iid") -> Ratio:
+    """mean(B) / mean(A); A and B resampled independently of each other, each by `kind`."""
+    xa, units_a, na = _prepare(a, kind)
+    xb, units_b, nb = _prepare(b, kind)
     r = Ratio(ratio=None, n_a=int(xa.size), n_b=int(xb.size))
     if xa.size == 0 or xb.size == 0:
         r.note = "no samples"
@@ -79,12 +129,12 @@ def ratio_ci(a, b, seed: int = DEFAULT_SEED, min_n: int = MIN_SAMPLES_FOR_CI, le
         r.note = "baseline mean is 0"
         return r
     r.ratio = float(xb.mean() / mean_a)
-    if min(xa.size, xb.size) < min_n:
-        r.note = f"{TOO_FEW} for a 95% CI (n={min(xa.size, xb.size)} < {min_n})"
+    if min(na, nb) < min_n:
+        r.note = f"{TOO_FEW} for a 95% CI ({min(na, nb)} {_unit(kind)} < {min_n})"
         return r
     rng = np.random.default_rng(seed)
-    ma = xa[rng.integers(0, xa.size, size=(BOOTSTRAP_RESAMPLES, xa.size))].mean(axis=1)
-    mb = xb[rng.integers(0, xb.size, size=(BOOTSTRAP_RESAMPLES, xb.size))].mean(axis=1)
+    ma = resampled_means(units_a, kind, rng)
+    mb = resampled_means(units_b, kind, rng)
     ok = ma != 0
     ratios = mb[ok] / ma[ok]
     alpha = (1.0 - level) / 2.0
