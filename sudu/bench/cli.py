@@ -97,13 +97,15 @@ def register_cli(subparsers) -> None:
     p.add_argument("a", metavar="A.json")
     p.add_argument("b", metavar="B.json")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="compare even when the two runs measured different "
+                   "work (the output then lists what differed)")
     p.set_defaults(func=cmd_compare)
 
 
 def cmd_compare(args) -> int:
     from sudu.bench.compare import run_compare
 
-    return run_compare(args.a, args.b, args.seed)
+    return run_compare(args.a, args.b, args.seed, args.force)
 
 
 def validate(args) -> dict:

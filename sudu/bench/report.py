@@ -85,7 +85,9 @@ def group_summary(run, group, slo: dict) -> dict:
     failed = len(recs) - len(ok)
     out["flags"] = ([f"{group.name}: {failed} of {len(recs)} requests failed ({out['errors'][0]})"] if failed else [])
     token_flags, out["notes"] = M.token_checks(recs)
-    out["flags"] += M.cache_flags(recs) + token_flags
+    cache_flags = M.cache_flags(recs)
+    out["cache_contradictions"] = len(cache_flags)
+    out["flags"] += cache_flags + token_flags
     if thr.get("failed_streams"):
         out["notes"].append(f"{thr['failed_streams']} streams failed partway after {thr['failed_stream_tokens']} "
                             "tokens: not in the throughput")
