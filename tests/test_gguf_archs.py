@@ -28,16 +28,21 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf_like_llama_cpp(hf_dir, path, arch: str, split_kv_b: bool = True) -> None:
+def write_gguf_like_llama_cpp(hf_dir, path, arch: str, split_kv_b: bool = True, mtp_layers: int = 0) -> None:
+    """mtp_layers: the checkpoint holds that many multi-token-prediction layers after the decoder's, which
+    llama.cpp counts in block_count and names in nextn_predict_layers."""
     from safetensors import safe_open
 
     hf = __import__("json").loads((hf_dir / "config.json").read_text())
     with safe_open(str(hf_dir / "model.safetensors"), framework="np") as f:
         tensors = {k: f.get_tensor(k).astype(np.float32) for k in f.keys()}
     a = GGUF_ARCH[arch]
-    name_map = gguf.get_tensor_name_map(a, hf["num_hidden_layers"])
+    blocks = hf["num_hidden_layers"] + mtp_layers
+    name_map = gguf.get_tensor_name_map(a, blocks)
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[a])
-    w.add_block_count(hf["num_hidden_layers"])
+    w.add_block_count(blocks)
+    if mtp_layers:
+        w.add_nextn_predict_layers(mtp_layers)
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
     w.add_feed_forward_length(hf["intermediate_size"])
@@ -95,6 +100,9 @@ def write_gguf_like_llama_cpp(hf_dir, path, arch: str, split_kv_b: bool = True) 
         m = _EXPERT.match(name)
         if m:  # llama.cpp stacks each projection of all experts into one 3D tensor
             stacked.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
+            continue
+        if name.endswith(("enorm.weight", "hnorm.weight", "eh_proj.weight")):  # MTP-only parts
+            w.add_tensor(f"blk.{name.split('.')[2]}.nextn.{name.split('.')[3]}.weight", t)
             continue
         if split_kv_b and name.endswith("kv_b_proj.weight"):
             heads, nope, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
@@ -155,6 +163,29 @@ def test_deepseek_gguf_with_whole_kv_b(tmp_path):
     loaded = got.state_dict()
     for name, value in ref.state_dict().items():
         assert torch.equal(loaded[name], value), name
+
+
+def test_deepseek_mtp_layers_are_left_out(tmp_path):
+    """A V3 checkpoint's multi-token-prediction layer (model.layers.{num_hidden_layers}; GGUF: counted in
+    block_count, named by nextn_predict_layers) is not part of the network and does not break loading."""
+    from safetensors.torch import load_file, save_file
+
+    from sudu.engine.model_runner import load_network
+
+    hf_dir = save_tiny_model(tmp_path / "hf", "deepseek_v3", seed=3)
+    file = hf_dir / "model.safetensors"
+    tensors = load_file(str(file))
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in tensors.items()
+           if k.startswith("model.layers.2.")}
+    mtp.update({"model.layers.3.enorm.weight": torch.ones(64), "model.layers.3.hnorm.weight": torch.ones(64),
+                "model.layers.3.eh_proj.weight": torch.zeros(64, 128)})
+    save_file({**tensors, **mtp}, str(file))
+    write_gguf_like_llama_cpp(hf_dir, tmp_path / "m.gguf", "deepseek_v3", mtp_layers=1)
+    for source in (hf_dir, tmp_path / "m.gguf"):
+        ck = load_checkpoint(str(source), progress=False)
+        assert ck.config.num_hidden_layers == 3
+        assert not any(n.startswith("model.layers.3.") for n in ck.tensor_names())
+        load_network(ck.config, ck.tensors(), torch.float32)
 
 
 def test_unknown_architecture_and_missing_tensors_are_one_line(tmp_path):

@@ -200,7 +200,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         raise SuduError(f"GGUF file lacks metadata {', '.join(f'{arch}.{k}' for k in missing)}")
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    num_layers = int(get("block_count"))
+    # block_count includes DeepSeek-V3's multi-token-prediction layers, stored after the decoder's
+    num_layers = int(get("block_count")) - int(get("nextn_predict_layers", 0))
     kwargs: dict[str, Any] = dict(
         architecture="mixtral" if arch == "llama" and get("expert_count") else arch,
         vocab_size=int(embed.shape[0]),
@@ -322,8 +323,7 @@ _LAYER_NAMES_BY_ARCH = {
     "qwen2moe": {"ffn_norm": "post_attention_layernorm"},
     "qwen3moe": {"ffn_norm": "post_attention_layernorm"},
     "deepseek2": {"ffn_norm": "post_attention_layernorm", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-                  "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
-                  "attn_q": "self_attn.q_proj"},
+                  "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"},
     "gemma3": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",

@@ -3,6 +3,7 @@ directory) to a `Checkpoint` holding the network's config, its tokenizer, and la
 under Hugging Face names. The model code only ever sees this; where bytes come from stays here."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,6 +16,8 @@ from sudu.weights import gguf as gguf_weights
 from sudu.weights import safetensors as st_weights
 from sudu.weights.catalog import byte_progress, resolve_model_path
 from sudu.weights.gguf import QuantizedTensor
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -29,19 +32,31 @@ class Checkpoint:
 
     def tensor_names(self) -> list[str]:
         if self.format == "gguf":
-            return list(self._quantized)
-        return st_weights.tensor_names(self.path, self.config.architecture)
+            names = list(self._quantized)
+        else:
+            names = st_weights.tensor_names(self.path, self.config.architecture)
+        return [n for n in names if not self._beyond_decoder(n)]
+
+    def _beyond_decoder(self, name: str) -> bool:
+        """Tensors of layers past the decoder stack: DeepSeek-V3's multi-token-prediction layers, which
+        checkpoints store as model.layers.{num_hidden_layers + i} (GGUF: blk.{...}); the network has none."""
+        m = _LAYER_INDEX.match(name)
+        return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) one at a time, dequantized as they are reached, so peak memory is
         the model in `dtype` plus one float32 tensor."""
         if self.format != "gguf":
-            yield from st_weights.iter_tensors(self.path, dtype, self.config.architecture)
+            for name, tensor in st_weights.iter_tensors(self.path, dtype, self.config.architecture):
+                if not self._beyond_decoder(name):
+                    yield name, tensor
             return
         total = sum(int(qt.blocks.nbytes) for qt in self._quantized.values())
         kv_b_parts: dict[str, dict[str, torch.Tensor]] = {}  # MLA files: k_b and v_b wait for each other
         with byte_progress(self.progress, f"loading {self.path.name}", total) as advance:
             for name, qt in self._quantized.items():
+                if self._beyond_decoder(name):
+                    continue
                 tensor = gguf_weights.dequantize(qt).to(dtype)
                 advance(int(qt.blocks.nbytes))
                 if name.endswith(("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):
