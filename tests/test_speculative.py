@@ -75,9 +75,9 @@ def test_greedy_identical_with_speculation(engines, spec, batch, draft_vocab):
         got += [r.token_ids for r in llm.generate(ps[i:i + batch], params)]
     assert got == plain
     eng = llm.engine
-    assert eng.num_draft_tokens > 0  # speculation really ran
+    assert eng.speculator.num_draft_tokens > 0  # speculation really ran
     if spec == "self":
-        assert eng.num_accepted_tokens == eng.num_draft_tokens  # a model agrees with itself
+        assert eng.speculator.num_accepted_tokens == eng.speculator.num_draft_tokens  # a model agrees with itself
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
@@ -87,14 +87,14 @@ def test_quantized_draft_model_drafts_through_an_int4_head(engines):
     from sudu.layers.linear import QuantizedLinear
 
     llm = engines("draft", quantization="int8", speculative_max_batch=64)
-    head = llm.engine.drafter.runner.model.lm_head
+    head = llm.engine.speculator.drafter.runner.model.lm_head
     assert isinstance(head, QuantizedLinear) and head.fmt == "int4"
     assert llm.engine.runner.model.lm_head.fmt == "int8"
     ps = prompts(16, seed=41)
     params = SamplingParams(max_tokens=16, **GREEDY)
     plain = [r.token_ids for r in engines(quantization="int8").generate(ps, params)]
     assert [r.token_ids for r in llm.generate(ps, params)] == plain
-    assert llm.engine.num_draft_tokens > 0
+    assert llm.engine.speculator.num_draft_tokens > 0
 
 
 def test_acceptance_is_reported_per_request(engines):
@@ -103,7 +103,7 @@ def test_acceptance_is_reported_per_request(engines):
     m = r.metrics
     assert m.num_spec_steps > 0 and m.num_draft_tokens > 0
     assert 0.0 <= m.acceptance_rate <= 1.0
-    assert 1.0 <= m.mean_accepted_len <= 1 + llm.engine.spec_controller.max_tokens
+    assert 1.0 <= m.mean_accepted_len <= 1 + llm.engine.speculator.controller.max_tokens
 
 
 def test_draft_length_defaults_per_drafter():
@@ -118,9 +118,9 @@ def test_draft_length_defaults_per_drafter():
 
 def test_speculation_pauses_above_max_batch(engines):
     llm = engines("ngram", speculative_max_batch=2)
-    before = llm.engine.num_draft_tokens
+    before = llm.engine.speculator.num_draft_tokens
     llm.generate(prompts(8, 4), SamplingParams(max_tokens=4, **GREEDY))
-    assert llm.engine.num_draft_tokens == before  # 8 decoding > 2: never speculated
+    assert llm.engine.speculator.num_draft_tokens == before  # 8 decoding > 2: never speculated
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
@@ -171,7 +171,7 @@ def test_speculative_sampling_matches_plain_sampling_distribution(engines, draft
     counts = torch.zeros_like(marginal)
     for r in results:
         counts[r.token_ids[1]] += 1
-    assert spec.engine.num_draft_tokens > 1000
+    assert spec.engine.speculator.num_draft_tokens > 1000
     stat, df = chi2_stat(counts, marginal)
     assert stat < chi2_critical(df), (stat, df)
 
@@ -182,32 +182,32 @@ def test_draft_head_subset_and_prompt_in_the_first_step(engines):
     the first speculative step."""
     llm = engines("draft", speculative_max_batch=64, speculative_draft_vocab=200)
     eng = llm.engine
-    keep = eng.drafter.keep
+    keep = eng.speculator.drafter.keep
     base = eng.tokenizer.backend.get_vocab_size(with_added_tokens=False)
     assert keep.tolist() == list(range(200)) + list(range(base, eng.model_config.vocab_size))
-    assert eng.drafter.runner.model.lm_head.out_features == keep.numel()
+    assert eng.speculator.drafter.runner.model.lm_head.out_features == keep.numel()
     prompt = (prompts(1, 31)[0] * 40)[:40]  # 40 tokens: two full blocks for the draft's prefix cache
     computed = []
-    execute = eng.drafter.runner.execute
-    eng.drafter.runner.execute = lambda batch: computed.append(sum(s.num_new_tokens for s in batch)) or execute(batch)
+    execute = eng.speculator.drafter.runner.execute
+    eng.speculator.drafter.runner.execute = lambda batch: computed.append(sum(s.num_new_tokens for s in batch)) or execute(batch)
     try:
         for rid in ("p", "again"):
             computed.clear()
             eng.add_request(rid, prompt, SamplingParams(max_tokens=4, **GREEDY))
             eng.step()  # the whole prompt fits one step
-            (shadow, _), = eng.drafter.shadows.values()
+            (shadow, _), = eng.speculator.drafter.shadows.values()
             assert shadow.num_computed_tokens == len(prompt)
             prompt_work = sum(computed)
             while eng.has_unfinished():
                 eng.step()
-            assert not eng.drafter.shadows
+            assert not eng.speculator.drafter.shadows
             if rid == "p":
                 assert prompt_work == len(prompt)
             else:  # the same prompt again: the draft's prompt blocks come from its prefix cache
                 bs = eng.config.block_size
                 assert bs <= 16 and prompt_work == len(prompt) - (len(prompt) - 1) // bs * bs < len(prompt)
     finally:
-        eng.drafter.runner.execute = execute
+        eng.speculator.drafter.runner.execute = execute
 
 
 def test_stress_with_speculation_returns_every_block(engines):
@@ -234,8 +234,8 @@ def test_stress_with_speculation_returns_every_block(engines):
                 done += 1
     assert done == 300 and not live
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-    assert eng.drafter.block_manager.num_free_blocks == eng.drafter.block_manager.num_blocks
-    assert not eng.drafter.shadows
+    assert eng.speculator.drafter.block_manager.num_free_blocks == eng.speculator.drafter.block_manager.num_blocks
+    assert not eng.speculator.drafter.shadows
 
 
 def test_ngram_drafter_proposes_the_continuation_of_the_latest_match():

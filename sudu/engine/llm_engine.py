@@ -17,10 +17,11 @@ from sudu.config import EngineConfig
 from sudu.cache.context import build_block_manager
 from sudu.engine.model_runner import ModelRunner, prepare_network
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from sudu.engine.scheduler import Scheduler
+from sudu.engine.request import CheckedRequest
+from sudu.engine.scheduler import ScheduledSeq, Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
-from sudu.engine.speculative import SpecController, build_drafter, draft_len, verify_draft
+from sudu.engine.speculative import Draft, Speculator
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
 
@@ -42,6 +43,17 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class _Batch:
+    """One step's scheduled work, between schedule and postprocess."""
+
+    scheduled: list[ScheduledSeq]
+    drafts: dict[int, Draft]  # seq_id -> the draft its scheduled tokens end with
+    started_at: float
+    num_decodes: int
+    num_prefill_tokens: int
 
 
 class LLMEngine:
@@ -66,12 +78,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(ckpt.config.eos_token_id)
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.drafter = None
-        if config.speculative != "none":
-            self.drafter = build_drafter(config.speculative, self)
-            self.spec_controller = SpecController(draft_len(config), config.speculative_max_batch)
+        self._failed_this_step: list[str] = []
+        self.speculator = Speculator(config, self) if config.speculative != "none" else None
         log.info(
             "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens",
             ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size,
@@ -98,29 +106,32 @@ class LLMEngine:
             )
         return params.max_tokens
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        params.validate()
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """Raise RequestTooLongError / ValueError for a request that can never run; else the request
+        with its token budget resolved, which add_request takes without checking it again."""
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        return self.resolve_max_tokens(len(prompt_token_ids), params)
+        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
+        return CheckedRequest(list(prompt_token_ids), params, max_tokens)
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | CheckedRequest,
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
         from sudu.tokenizer import IncrementalDetokenizer
 
-        params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self.check_request(prompt_ids, params)
+        if not isinstance(prompt, CheckedRequest):
+            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            prompt = self.check_request(prompt_ids, params or SamplingParams())
+        prompt_ids, params, max_tokens = prompt.prompt_token_ids, prompt.params, prompt.max_tokens
         now = time.perf_counter() if arrival_time is None else arrival_time
         seqs = []
         for index in range(params.n):
@@ -155,30 +166,67 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess, nano-vllm's shape. A fault that belongs to one request (its
+        forward pass run alone, its sampling row, its stop handling) fails that request only; a fault
+        that cannot be pinned on a request escapes as an exception: the engine cannot continue."""
         touched: dict[str, RequestState] = {rid: s for rid, s in self.requests.items() if s.pending}
+        batch = self._schedule()
+        if batch is not None:
+            logits = self._run(batch)
+            self._postprocess(batch, logits, touched)
+        for rid in self._failed_this_step:
+            if rid in self.requests:
+                touched[rid] = self.requests[rid]
+        self._failed_this_step.clear()
+        return [self._make_output(state) for state in touched.values()]
+
+    def _schedule(self) -> _Batch | None:
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return [self._make_output(state) for state in touched.values()]
-        prefill_tokens = [s.num_new_tokens for s in scheduled if not (s.samples and s.num_new_tokens == 1)]
-        decodes = len(scheduled) - len(prefill_tokens)
+            return None
+        # counted before drafts are added, so a speculative decode counts as a decode
+        prefill_tokens = sum(s.num_new_tokens for s in scheduled if not (s.samples and s.num_new_tokens == 1))
+        decodes = sum(1 for s in scheduled if s.samples and s.num_new_tokens == 1)
         now = time.perf_counter()
         for s in scheduled:
             m = self.requests[s.seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         drafts = {}
-        if self.drafter is not None:
-            # prompts completing in this step: the drafter's own prompt work goes into this step (TTFT)
-            finishing = [s.seq for s in scheduled if s.samples and s.seq.num_output_tokens == 0]
-            if finishing:
-                self.drafter.prefill(finishing)
-            drafts = self._draft(scheduled)
-        logits = self.runner.execute(scheduled)
+        if self.speculator is not None:
+            drafts = self.speculator.prepare(scheduled, self.block_manager, len(self.scheduler.running))
+        return _Batch(scheduled, drafts, start, decodes, prefill_tokens)
+
+    def _run(self, batch: _Batch) -> torch.Tensor:
+        """The batch's logit rows. If the forward pass fails, each sequence runs alone (its KV slots are
+        rewritten with the same values): the ones that still fail are failed and leave the batch, the
+        others continue. When every sequence fails, the fault is not theirs: it escapes."""
+        try:
+            logits = self.runner.execute(batch.scheduled)
+            self.num_steps += 1
+            return logits
+        except Exception as exc:  # noqa: BLE001 -- isolated below, re-raised when it cannot be
+            log.warning("forward pass failed (%s); running the batch's %d sequences one by one",
+                        exc, len(batch.scheduled))
+            batch_error = exc
+        kept, rows = [], []
+        for s in batch.scheduled:
+            try:
+                rows.append(self.runner.execute([s]))
+                kept.append(s)
+            except Exception as exc:  # noqa: BLE001 -- this sequence's own fault
+                self.fail_request(s.seq.request_id, f"the forward pass failed on this request: {exc}")
+        if not kept:
+            raise batch_error
+        batch.scheduled = kept
         self.num_steps += 1
+        return torch.cat(rows)
+
+    def _postprocess(self, batch: _Batch, logits: torch.Tensor, touched: dict[str, RequestState]) -> None:
         plain, plain_rows, speculated = [], [], []
         row = 0
-        for s in scheduled:
+        for s in batch.scheduled:
             if s.samples:
                 if s.draft_token_ids:
                     speculated.append((s, logits[row:row + s.num_logit_rows]))
@@ -190,20 +238,53 @@ class LLMEngine:
             if not s.draft_token_ids:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 self.block_manager.commit(s.seq)
-        rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, q.generator) for q in plain]
-        sampled = self.sampler(logits[plain_rows], rows) if plain else []
+        sampled = self._sample(plain, logits[plain_rows]) if plain else []
         now = time.perf_counter()
         for seq, tok in zip(plain, sampled):
-            state = self._first_token(seq, now)
-            self._append_token(seq, tok)
-            touched[seq.request_id] = state
+            if tok is not None:
+                self._guarded(seq, touched, lambda seq=seq, tok=tok: self._append_token(seq, tok), now)
         for s, seq_logits in speculated:
-            state = self._first_token(s.seq, now)
-            self._accept_speculated(s, seq_logits, drafts[s.seq.seq_id], state)
-            touched[s.seq.request_id] = state
-        # (drafts are added after the counts above, so a speculative decode counts as a decode)
-        self.scheduler.chunk_budget.observe(decodes, sum(prefill_tokens), time.perf_counter() - start)
-        return [self._make_output(state) for state in touched.values()]
+            draft = batch.drafts[s.seq.seq_id]
+            self._guarded(s.seq, touched,
+                          lambda s=s, seq_logits=seq_logits, draft=draft: self._accept_speculated(s, seq_logits, draft),
+                          now)
+        self.scheduler.chunk_budget.observe(batch.num_decodes, batch.num_prefill_tokens,
+                                            time.perf_counter() - batch.started_at)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken | None]:
+        """One token per sequence; if the batched draw fails, row by row, and a row that fails alone
+        fails its request (None in its place)."""
+        rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, q.generator) for q in seqs]
+        try:
+            return self.sampler(logits, rows)
+        except Exception:  # noqa: BLE001 -- isolated below
+            log.warning("sampling failed; sampling the batch's %d rows one by one", len(rows), exc_info=True)
+        tokens: list[SampledToken | None] = []
+        for i, (seq, row) in enumerate(zip(seqs, rows)):
+            try:
+                tokens.extend(self.sampler(logits[i:i + 1], [row]))
+            except Exception as exc:  # noqa: BLE001 -- this request's own fault
+                self.fail_request(seq.request_id, f"sampling failed on this request: {exc}")
+                tokens.append(None)
+        return tokens
+
+    def _guarded(self, seq: Sequence, touched: dict[str, RequestState], append, now: float) -> None:
+        """Append a sequence's new token(s); an exception there is the request's own fault and fails it."""
+        if seq.is_finished:  # failed earlier in this step
+            return
+        state = self._first_token(seq, now)
+        touched[seq.request_id] = state
+        try:
+            append()
+        except Exception as exc:  # noqa: BLE001 -- fail this request, keep the others
+            log.warning("request %s failed while its tokens were appended", seq.request_id, exc_info=True)
+            self.fail_request(seq.request_id, f"internal error on this request: {type(exc).__name__}: {exc}")
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """Abort one request with an error; its output (finish_reason "abort", `error` set) goes out with
+        this step's outputs."""
+        self.abort(request_id, error=error)
+        self._failed_this_step.append(request_id)
 
     def _first_token(self, seq: Sequence, now: float) -> RequestState:
         state = self.requests[seq.request_id]
@@ -214,53 +295,17 @@ class LLMEngine:
                 sibling.held_back = False
         return state
 
-    def _draft(self, scheduled: list) -> dict:
-        """Give decoding sequences draft tokens to verify in this step's forward pass."""
-        decoding = [s for s in scheduled if s.samples and s.num_new_tokens == 1 and s.seq.num_output_tokens > 0]
-        if not decoding or not self.spec_controller.active(len(self.scheduler.running)):
-            return {}
-        spare = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
-        ks = []
-        for s in decoding:
-            k = min(self.spec_controller.draft_len(s.seq), max(spare, 0))
-            spare -= k
-            ks.append(k)
-        proposals = self.drafter.propose([s.seq for s in decoding], ks)
-        drafts = {}
-        for s, d in zip(decoding, proposals):
-            if d.token_ids and self.block_manager.can_allocate(s.seq, 1 + len(d.token_ids)):
-                self.block_manager.allocate(s.seq, 1 + len(d.token_ids))
-                s.num_new_tokens = 1 + len(d.token_ids)
-                s.draft_token_ids = d.token_ids
-                drafts[s.seq.seq_id] = d
-        return drafts
-
-    def _accept_speculated(self, s, seq_logits: torch.Tensor, draft, state: RequestState) -> None:
+    def _accept_speculated(self, s, seq_logits: torch.Tensor, draft) -> None:
         seq = s.seq
-        row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
-        accepted = verify_draft(seq_logits, draft, row, seq.generator or self.sampler.shared_generator)
-        num_drafted, num_accepted = len(draft.token_ids), len(accepted) - 1
-        m = state.metrics
-        m.num_draft_tokens += num_drafted
-        m.num_accepted_tokens += num_accepted
-        m.num_spec_steps += 1
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        self.spec_controller.update(seq, num_drafted, num_accepted)
         computed_before = seq.num_computed_tokens
-        raw = torch.log_softmax(seq_logits, -1) if seq.params.logprobs is not None else None
-        for i, token in enumerate(accepted):
-            tok = SampledToken(token)
-            if raw is not None:
-                tok.logprob = float(raw[i, token])
-                if seq.params.logprobs:
-                    top = torch.topk(raw[i], seq.params.logprobs)
-                    tok.top = list(zip(top.indices.tolist(), top.values.tolist()))
+        generator = seq.generator or self.sampler.shared_generator
+        tokens = self.speculator.verify(seq, seq_logits, draft, generator, self.requests[seq.request_id].metrics)
+        for tok in tokens:
             self._append_token(seq, tok)
             if seq.is_finished:
                 return
         # the last token and the accepted drafts now have valid KV; the rejected drafts' slots are dead
-        seq.num_computed_tokens = computed_before + len(accepted)
+        seq.num_computed_tokens = computed_before + len(tokens)
         self.block_manager.trim(seq, seq.num_tokens)
         self.block_manager.commit(seq)
 
@@ -301,9 +346,8 @@ class LLMEngine:
         self._release_spec(seq)
 
     def _release_spec(self, seq: Sequence) -> None:
-        if self.drafter is not None:
-            self.drafter.release(seq)
-            self.spec_controller.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def _take_delta(self, seq: Sequence) -> CompletionOutput:
         out = CompletionOutput(
@@ -352,8 +396,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,
-            "spec_num_draft_tokens": self.num_draft_tokens,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_num_draft_tokens": self.speculator.num_draft_tokens if self.speculator else 0,
+            "spec_num_accepted_tokens": self.speculator.num_accepted_tokens if self.speculator else 0,
         }
 
 

@@ -102,9 +102,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.running) or any(not s.held_back for s in self.waiting)
-
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is and give its blocks back."""
         if seq in self.running:

@@ -17,7 +17,9 @@ normalised max(0, p - q); after all drafts pass, draw a bonus token from p. (An 
 mass, q = one-hot.) p is the distribution plain sampling would use: penalties, temperature, top-k,
 top-p and min-p applied, so the sampled output keeps exactly that distribution.
 
-SpecController keeps each sequence's draft length adaptive (grow after a full accept, shrink to what
+Speculator is all the engine sees: `prepare` before the forward pass (the drafter's prompt work, draft
+tokens for decoding sequences, their KV slots), `verify` after it (k + 1 logit rows -> the tokens to
+append), `release` when a sequence ends. SpecController keeps each sequence's draft length adaptive (grow after a full accept, shrink to what
 was accepted after a rejection) and turns speculation off while the batch is larger than
 `speculative_max_batch`, where verifying drafts costs more than it saves.
 """
@@ -31,7 +33,7 @@ from sudu.engine.block_manager import BlockManager
 from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
-from sudu.layers.sampler import SamplingRow, apply_penalties, argmax_rows, filter_logits
+from sudu.layers.sampler import SampledToken, SamplingRow, apply_penalties, argmax_rows, filter_logits
 
 
 @dataclass
@@ -160,8 +162,8 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
 
 # A quantized draft model's output head runs int4 whatever the target's head runs (auto gives the target an
 # int8 head for its accuracy; the draft only proposes, so its head's precision moves acceptance, never
-# output). Measured with the 0.5B drafting for the 1.5B on the gen prompts (ad-hoc script, two rounds, one
-# process, alternating): 50.5 / 52.2 tok/s against 47.9 / 49.8 with the int8 head, acceptance 0.83 vs 0.84.
+# output). The int4 head drafted faster at about the same acceptance (docs/benchmarks.md, "the draft
+# model's head in int4").
 DRAFT_HEAD_FORMAT = "int4"
 
 
@@ -325,11 +327,9 @@ class SpecController:
         self.k.pop(seq.seq_id, None)
 
 
-# Longest drafts by default (num_speculative_tokens = 0), measured single-stream on this project's CPU
-# (docs/benchmarks.md): n-gram drafts cost nothing, so 7 (the most verification takes) gained 9% over 4
-# on editing; a draft model pays a step per token. 5 beat 4 and 6 with the row-layout kernels; with the tile
-# kernels (cheaper verification rows) 4 beat 5 on free generation (1.54x / 1.49x against 1.51x / 1.42x,
-# two rounds, one process) and lost 3% on editing (2.05x against 2.11x).
+# Draft lengths when num_speculative_tokens = 0: n-gram drafts cost nothing, so the most a verification
+# takes; a draft model pays a step per draft token, so the length that measured best on free generation
+# (docs/benchmarks.md, "Speculative decoding": draft length, default draft lengths).
 DEFAULT_DRAFT_LEN = {"ngram": 7, "draft": 4}
 
 
@@ -345,3 +345,68 @@ def build_drafter(spec: str, engine) -> NgramDrafter | DraftModelDrafter:
         return DraftModelDrafter(spec[6:], engine.tokenizer, engine.model_config, engine.config,
                                  engine.runner.num_blocks * engine.config.block_size)
     raise SuduError(f"unknown --speculative {spec!r}; use ngram or draft:MODEL")
+
+
+class Speculator:
+    """Speculative decoding behind one interface for the engine's step."""
+
+    def __init__(self, config, engine):
+        self.drafter = build_drafter(config.speculative, engine)
+        self.controller = SpecController(draft_len(config), config.speculative_max_batch)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def prepare(self, scheduled: list[ScheduledSeq], block_manager: BlockManager, num_running: int) -> dict[int, Draft]:
+        """Before the forward pass: the drafter computes the prompts completing in this step (so its work
+        counts toward their TTFT), and decoding sequences get draft tokens to verify in the same pass, in
+        the spare token budget (each then runs 1 + k tokens). Returns seq_id -> draft."""
+        finishing = [s.seq for s in scheduled if s.samples and s.seq.num_output_tokens == 0]
+        if finishing:
+            self.drafter.prefill(finishing)
+        decoding = [s for s in scheduled if s.samples and s.num_new_tokens == 1 and s.seq.num_output_tokens > 0]
+        if not decoding or not self.controller.active(num_running):
+            return {}
+        spare = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        ks = []
+        for s in decoding:
+            k = min(self.controller.draft_len(s.seq), max(spare, 0))
+            spare -= k
+            ks.append(k)
+        drafts = {}
+        for s, d in zip(decoding, self.drafter.propose([s.seq for s in decoding], ks)):
+            if d.token_ids and block_manager.can_allocate(s.seq, 1 + len(d.token_ids)):
+                block_manager.allocate(s.seq, 1 + len(d.token_ids))
+                s.num_new_tokens = 1 + len(d.token_ids)
+                s.draft_token_ids = d.token_ids
+                drafts[s.seq.seq_id] = d
+        return drafts
+
+    def verify(self, seq: Sequence, logits: torch.Tensor, draft: Draft, generator: torch.Generator,
+               metrics) -> list[SampledToken]:
+        """After the forward pass: the accepted drafts plus the target's own token (with logprobs when
+        asked for), counted in the request's metrics and the engine-wide totals."""
+        row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+        accepted = verify_draft(logits, draft, row, generator)
+        num_drafted, num_accepted = len(draft.token_ids), len(accepted) - 1
+        metrics.num_draft_tokens += num_drafted
+        metrics.num_accepted_tokens += num_accepted
+        metrics.num_spec_steps += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        self.controller.update(seq, num_drafted, num_accepted)
+        raw = torch.log_softmax(logits, -1) if seq.params.logprobs is not None else None
+        tokens = []
+        for i, token in enumerate(accepted):
+            tok = SampledToken(token)
+            if raw is not None:
+                tok.logprob = float(raw[i, token])
+                if seq.params.logprobs:
+                    top = torch.topk(raw[i], seq.params.logprobs)
+                    tok.top = list(zip(top.indices.tolist(), top.values.tolist()))
+            tokens.append(tok)
+        return tokens
+
+    def release(self, seq: Sequence) -> None:
+        self.drafter.release(seq)
+        self.controller.release(seq)
