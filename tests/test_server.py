@@ -297,22 +297,31 @@ def test_sudu_serve_cli_loads_in_background_and_stops_on_sigterm(tiny_model_dirs
             proc.wait()
 
 
+def start_patched_sudu_serve(model_dir, port: int, patch: str) -> subprocess.Popen:
+    """`sudu serve MODEL_DIR` in a child process after `patch` (Python source: a delay or a fault put into
+    the engine) has run there; stdout and stderr together in proc.stdout."""
+    script = (
+        f"{patch}\n"
+        "import sys\n"
+        "from sudu.cli import main\n"
+        f"sys.argv = ['sudu', 'serve', {str(model_dir)!r}, '--port', '{port}', '--log-level', 'warning']\n"
+        "sys.exit(main())\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.getcwd()),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def test_sudu_serve_stopped_while_loading_exits_cleanly(tiny_model_dirs):
     """SIGTERM before the model has loaded: exit 0 with a one-line message, at once (not after the load,
     and not with the abort PyTorch's C++ teardown gives when the interpreter exits under a loading thread).
     The load is held back by a sleep so the signal surely lands during it."""
     port = free_port()
-    script = (
-        "import sys, time\n"
+    proc = start_patched_sudu_serve(tiny_model_dirs["qwen2"], port, (
+        "import time\n"
         "import sudu.engine.async_engine as a\n"
         "init = a.AsyncLLMEngine.__init__\n"
         "a.AsyncLLMEngine.__init__ = lambda self, *x, **k: (time.sleep(60), init(self, *x, **k))[1]\n"
-        "from sudu.cli import main\n"
-        f"sys.argv = ['sudu', 'serve', {str(tiny_model_dirs['qwen2'])!r}, '--port', '{port}', '--log-level', 'warning']\n"
-        "sys.exit(main())\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.getcwd()),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ))
     try:
         deadline = time.monotonic() + 60
         status = None
@@ -405,3 +414,80 @@ def test_speculative_acceptance_in_timing_extension_and_metrics(tiny_model_dirs)
         assert timing["acceptance_rate"] == round(timing["num_accepted_tokens"] / timing["num_draft_tokens"], 4)
         metrics = httpx.get(server.url + "/metrics").text
         assert f"sudu:spec_decode_num_draft_tokens_total {float(timing['num_draft_tokens'])}" in metrics
+
+
+def test_server_and_sudu_generate_chat_give_the_same_ids(live, tiny_model_dirs, monkeypatch, capsys):
+    """One chat -> ids path: the server's request preparation and `sudu generate --chat` both go through
+    Tokenizer.encode_chat, so the same conversation is the same prompt."""
+    from sudu.cli import build_parser
+    from sudu.engine.llm_engine import LLMEngine
+    from sudu.server import protocol as P
+    from sudu.server.requests import prepare_chat
+
+    body = P.ChatCompletionRequest(messages=[{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "hello there"}], max_tokens=1)
+    served = prepare_chat(live.engine, body).jobs[0].prompt_ids
+    seen = []
+    add_request = LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request",
+                        lambda self, rid, prompt, *a, **k: (seen.append(list(prompt)), add_request(self, rid, prompt, *a, **k))[1])
+    args = build_parser().parse_args(["generate", str(tiny_model_dirs["llama"]), "hello there", "--chat",
+                                      "--system", "be brief", "--max-tokens", "1", "--max-model-len", "256",
+                                      "--kv-cache-memory", "8MiB"])
+    assert args.func(args) == 0
+    assert seen == [served]
+    assert served == live.engine.tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
+
+
+def test_huge_or_slow_requests_do_not_stall_another_stream(tiny_model_dirs, monkeypatch):
+    """ITL in engine steps: while one stream decodes (one token, one chunk per step), a request with a
+    slow (GIL-holding) chat template, a body of ~3 MB and one over the body limit arrive. The stream's
+    chunks must keep arriving within one extra step of each other: the slow and huge work happens off
+    the event loop, or is refused before it is done."""
+    from sudu.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig(model=str(tiny_model_dirs["llama"]), max_model_len=MAX_MODEL_LEN, kv_cache_memory=8 << 20)
+    engine = AsyncLLMEngine(config)
+    step = engine.engine.step
+
+    def paced_step():  # a step of a real model's length; time.sleep leaves the GIL to the other threads
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", paced_step)
+    encode_chat = engine.tokenizer.encode_chat
+
+    def slow_encode_chat(messages, *args, **kwargs):
+        if any("slow" in (m.get("content") or "") for m in messages):
+            deadline = time.perf_counter() + 1.5
+            while time.perf_counter() < deadline:  # pure Python, holding the GIL between switches
+                pass
+        return encode_chat(messages, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode_chat", slow_encode_chat)
+    with LiveServer(build_app(engine, served_model_name=MODEL)) as live:
+        steps_at_chunk: list[int] = []
+        others: list = []
+
+        def hostile():
+            others.append(httpx.post(live.url + "/v1/chat/completions", timeout=60,
+                                     json={"messages": messages("slow"), "max_tokens": 2}))
+            others.append(httpx.post(live.url + "/v1/completions", timeout=60,
+                                     json={"prompt": "x" * (3 << 20), "max_tokens": 2}))
+            others.append(httpx.post(live.url + "/v1/completions", timeout=60,
+                                     json={"prompt": "x" * (5 << 20), "max_tokens": 2}))
+
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 60, "ignore_eos": True, "temperature": 0,
+                "logprobs": 0, "stream": True}  # logprobs: a chunk for every token, even one held back as text
+        attacker = threading.Thread(target=hostile)
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"token_logprobs"' in line:
+                    steps_at_chunk.append(engine.engine.num_steps)
+                    if len(steps_at_chunk) == 5:
+                        attacker.start()
+        attacker.join(60)
+    assert [o.status_code for o in others] == [200, 400, 413]
+    assert len(steps_at_chunk) == 60
+    gaps = [b - a for a, b in zip(steps_at_chunk[1:], steps_at_chunk[2:])]
+    assert max(gaps) <= 2, gaps  # one step per token, plus at most one

@@ -14,8 +14,10 @@ import httpx
 import pytest
 
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from sudu.errors import RequestTooLongError
+from sudu.engine.request import CheckedRequest
+from sudu.errors import EngineFailedError, RequestTooLongError
 from sudu.server.app import build_app, make_server
+from sudu.server.limits import ServerLimits
 
 BLOCK_SIZE = 16
 
@@ -83,16 +85,27 @@ class ByteTokenizer:
     eos_token_ids = [0]
     bos_token = None
     vocab_size = 256
+    max_token_chars = 1
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode())
+    def __init__(self):
+        self.encoded_chars = 0  # characters tokenized so far: shows what was refused before tokenizing
+        self.hold: threading.Event | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        self.encoded_chars += len(text)
+        if self.hold is not None and "hold" in text:  # a slow tokenization, released by the test
+            self.hold.wait(30)
+        ids = list(text.encode())
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise RequestTooLongError(f"the prompt has {len(ids)} tokens, more than {max_tokens}")
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode(errors="replace")
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return text + ("assistant: " if add_generation_prompt else "")
+    def encode_chat(self, messages, add_generation_prompt: bool = True, max_tokens: int | None = None) -> list[int]:
+        text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
+        return self.encode(text + ("assistant: " if add_generation_prompt else ""), max_tokens=max_tokens)
 
 
 class FakeEngine:
@@ -114,14 +127,31 @@ class FakeEngine:
         self.shutdown_deadline: float | None = None
         self.fail_check_for: str | None = None  # prompt text that makes check_request crash (-> 500)
         self.full = False
+        self.num_checks = 0
+        self.failure: str | None = None
 
     async def start(self) -> None:
         self.started = True
+        self.loop = asyncio.get_running_loop()
+        self.failed = asyncio.Event()
 
     def is_full(self) -> bool:
         return self.full or len(self.blocks) >= self.max_queue_len
 
-    def check_request(self, prompt_token_ids: list[int], params) -> None:
+    async def wait_failed(self) -> str:
+        await self.failed.wait()
+        return self.failure
+
+    def fail(self, reason: str) -> None:
+        """What AsyncLLMEngine does when it cannot continue (from any thread)."""
+
+        def on_loop() -> None:
+            self.failure = reason
+            self.failed.set()
+
+        self.loop.call_soon_threadsafe(on_loop)
+
+    def check_request(self, prompt_token_ids: list[int], params) -> CheckedRequest:
         if max(prompt_token_ids) >= self.tokenizer.vocab_size:
             raise ValueError(f"token id {max(prompt_token_ids)} is outside the vocabulary")
         num_prompt_tokens = len(prompt_token_ids)
@@ -130,6 +160,8 @@ class FakeEngine:
         if num_prompt_tokens >= self.max_model_len or num_prompt_tokens + (params.max_tokens or 0) > self.max_model_len:
             raise RequestTooLongError(f"{num_prompt_tokens} prompt tokens + {params.max_tokens} max_tokens > "
                                       f"{self.max_model_len} (the context)")
+        self.num_checks += 1
+        return CheckedRequest(prompt_token_ids, params, params.max_tokens or self.max_model_len - num_prompt_tokens)
 
     def stats(self) -> dict:
         used = sum(self.blocks.values())
@@ -147,15 +179,19 @@ class FakeEngine:
         while self.blocks and time.perf_counter() < self.shutdown_deadline + 1:
             await asyncio.sleep(0.005)
 
-    async def generate(self, request_id, prompt_token_ids, params, priority: int = 0):
+    async def generate(self, request_id, request: CheckedRequest, priority: int = 0):
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
+        prompt_token_ids, params, max_tokens = request.prompt_token_ids, request.params, request.max_tokens
         metrics = RequestMetrics(arrival_time=time.perf_counter())
-        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         self.blocks[request_id] = -(-len(prompt_token_ids) // BLOCK_SIZE) * params.n
         try:
             metrics.first_scheduled_time = time.perf_counter()
             produced = 0
             while True:
                 await asyncio.sleep(self.step_s)
+                if self.failure is not None:
+                    raise EngineFailedError(self.failure)
                 if request_id not in self.blocks:
                     return
                 if self.shutdown_deadline is not None and time.perf_counter() > self.shutdown_deadline:
@@ -436,3 +472,112 @@ def test_continuous_usage_stats(fake):
     content = [e for e in events[:-1] if e["choices"] and e["choices"][0]["text"]]
     assert [e["usage"]["completion_tokens"] for e in content] == [1, 2, 3]
     assert events[-2]["usage"]["completion_tokens"] == 3 and events[-2]["choices"] == []
+
+
+# ---------------------------------------------------------------- hostile traffic and engine failure
+
+
+def test_oversized_body_is_413_before_it_is_read():
+    engine = FakeEngine()
+    with LiveServer(build_app(engine, served_model_name="fake", limits=ServerLimits(max_request_bytes=4096))) as live:
+        big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 2}
+        err = assert_openai_error(httpx.post(live.url + "/v1/chat/completions", json=big), 413)
+        assert err["code"] == "request_too_large" and "4096" in err["message"]
+
+        def chunks():  # no Content-Length: the limit is enforced while the body streams in
+            yield b'{"messages": [{"role": "user", "content": "'
+            for _ in range(10):
+                yield b"y" * 1000
+            yield b'"}]}'
+
+        r = httpx.post(live.url + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert assert_openai_error(r, 413)["code"] == "request_too_large"
+        assert engine.tokenizer.encoded_chars == 0
+        assert chat(live.url).status_code == 200
+
+
+def test_prompt_longer_than_the_context_can_cover_is_refused_before_tokenizing(fake):
+    before = fake.engine.tokenizer.encoded_chars
+    err = assert_openai_error(chat(fake.url, "z" * 600), 400)  # 600 chars > 512 tokens x 1 char per token
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    r = httpx.post(fake.url + "/v1/completions", json={"prompt": ["ok", "z" * 600], "max_tokens": 2})
+    assert assert_openai_error(r, 400)["code"] == "context_length_exceeded"
+    assert fake.engine.tokenizer.encoded_chars - before == len("ok")  # the long prompt was never tokenized
+
+
+@pytest.mark.parametrize("field,value", [
+    ("stop_token_ids", list(range(65))),
+    ("stop", ["s"] * 17),
+    ("stop", "s" * 1025),
+    ("messages", [{"role": "user", "content": "x"}] * 4097),
+    ("messages", [{"role": "user", "content": [{"type": "text", "text": "x"}] * 257}]),
+])
+def test_list_fields_are_bounded(fake, field, value):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value}
+    err = assert_openai_error(httpx.post(fake.url + "/v1/chat/completions", json=body), 400)
+    assert err["param"].startswith(field)
+
+
+def test_completion_prompt_count_is_checked_before_tokenizing(fake):
+    before = fake.engine.tokenizer.encoded_chars
+    r = httpx.post(fake.url + "/v1/completions", json={"prompt": ["abc"] * 100, "n": 3, "max_tokens": 2})
+    assert "choices" in assert_openai_error(r, 400)["message"]
+    assert fake.engine.tokenizer.encoded_chars == before
+
+
+def test_each_request_is_checked_once(fake):
+    before = fake.engine.num_checks
+    assert chat(fake.url).status_code == 200
+    r = httpx.post(fake.url + "/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+    assert r.status_code == 200
+    assert fake.engine.num_checks - before == 1 + 3  # once per engine request, never again downstream
+
+
+def test_full_prepare_pool_is_429_and_a_slow_tokenization_stalls_no_one():
+    engine = FakeEngine()
+    engine.tokenizer.hold = threading.Event()
+    with LiveServer(build_app(engine, served_model_name="fake",
+                              limits=ServerLimits(prepare_workers=1, prepare_queue=0))) as live:
+        slow: list = []
+        stuck = threading.Thread(target=lambda: slow.append(chat(live.url, "hold")))
+        stuck.start()
+        deadline = time.monotonic() + 10
+        while live.app.state.sudu.pool.num_admitted == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # the only worker is busy: the next request is refused at once, and the event loop still serves
+        r = chat(live.url)
+        assert assert_openai_error(r, 429)["code"] == "queue_full" and int(r.headers["retry-after"]) >= 1
+        assert httpx.get(live.url + "/health").status_code == 200
+        engine.tokenizer.hold.set()
+        stuck.join(30)
+        assert slow[0].status_code == 200
+        assert chat(live.url).status_code == 200
+
+
+def test_engine_failure_fails_every_client_with_503_and_turns_health_503():
+    engine = FakeEngine(step_s=0.01)
+    reasons: list = []
+    with LiveServer(build_app(engine, served_model_name="fake", on_engine_failure=reasons.append)) as live:
+        events: list = []
+
+        def consume():
+            body = {"messages": [{"role": "user", "content": "z"}], "max_tokens": 400, "stream": True}
+            with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                events.extend(sse_events(r))
+
+        waiting: list = []
+        reader = threading.Thread(target=consume)
+        non_stream = threading.Thread(target=lambda: waiting.append(chat(live.url, max_tokens=400)))
+        reader.start()
+        non_stream.start()
+        while len(engine.blocks) < 2:
+            time.sleep(0.01)
+        engine.fail("injected")
+        reader.join(30)
+        non_stream.join(30)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_failed"
+        assert assert_openai_error(waiting[0], 503)["code"] == "engine_failed"
+        health = httpx.get(live.url + "/health")
+        assert health.status_code == 503 and health.json() == {"status": "failed", "error": "injected"}
+        assert assert_openai_error(chat(live.url), 503)["code"] == "engine_failed"
+        assert reasons == ["injected"]

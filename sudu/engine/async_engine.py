@@ -3,8 +3,13 @@ asyncio consumer, so the HTTP event loop never waits on a forward pass.
 
 The event loop never touches the engine directly: adds and aborts go through a command queue that the
 engine thread drains between steps; outputs come back through each request's asyncio.Queue via
-call_soon_threadsafe. Validation that needs no engine state (lengths, sampling params) runs in the
-caller, so a bad request fails synchronously with a clear error.
+call_soon_threadsafe. A request is validated once, by `check_request` in the caller (so a bad one fails
+there with a clear error), and the CheckedRequest it returns is what `generate` queues.
+
+Faults: the engine fails a request whose fault it can pin on it (LLMEngine.step). Anything that escapes
+a step, or the engine thread itself, means the engine cannot continue: `failure` is set, every stream
+ends with EngineFailedError, new requests get it at once, and `wait_failed()` returns (the server then
+answers 503 and exits non-zero, for a supervisor to restart it).
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 from sudu.config import EngineConfig
 from sudu.engine.llm_engine import LLMEngine
 from sudu.engine.outputs import RequestOutput
+from sudu.engine.request import CheckedRequest
+from sudu.errors import EngineFailedError
 from sudu.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -47,12 +54,22 @@ class AsyncLLMEngine:
         self._stopping = False
         self._accepting = True
         self._stats = self.engine.stats()
+        self.failure: str | None = None  # why the engine cannot continue, once it cannot
+        self._failed: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._failed = asyncio.Event()
             self._thread = threading.Thread(target=self._run, name="sudu-engine", daemon=True)
             self._thread.start()
+
+    async def wait_failed(self) -> str:
+        """Return (with the reason) once the engine cannot continue; never, while it can."""
+        await self._failed.wait()
+        return self.failure
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop accepting; let in-flight requests finish for up to timeout_s, then fail the rest."""
@@ -82,26 +99,23 @@ class AsyncLLMEngine:
     def is_full(self) -> bool:
         return self.num_unfinished() >= self.config.max_num_seqs + self.max_queue_len
 
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise RequestTooLongError / ValueError now for a request that can never run."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """Raise RequestTooLongError / ValueError now for a request that can never run. Reads only what
+        is fixed at load, so any thread may call it."""
         return self.engine.check_request(prompt_token_ids, params)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        if not self._accepting:
-            raise RuntimeError("the engine is shutting down")
-        self.engine.check_request(prompt_token_ids, params)
+    async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._streams_lock:
+        with self._streams_lock:  # under the lock: a failure cannot slip between this check and the add
+            if self.failure is not None:
+                raise EngineFailedError(self.failure)
+            if not self._accepting:
+                raise RuntimeError("the engine is shutting down")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, (prompt_token_ids, params, priority, time.perf_counter())))
+        self._commands.put(("add", request_id, (request, priority, time.perf_counter())))
         self._wake.set()
         finished = False
         try:
@@ -142,15 +156,21 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                prompt, params, priority, arrival = payload
+                request, priority, arrival = payload
                 try:
-                    eng.add_request(rid, prompt, params, priority=priority, arrival_time=arrival)
-                except Exception as exc:  # validated by the caller already; never kill the loop
+                    eng.add_request(rid, request, priority=priority, arrival_time=arrival)
+                except Exception as exc:  # noqa: BLE001 -- this request's fault: fail it, keep the loop
                     self._deliver(rid, exc)
             elif rid in eng.requests:
                 eng.abort(rid, error=payload)
 
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except BaseException as exc:  # noqa: BLE001 -- the engine cannot continue; say so, fail everyone
+            self._fail(exc)
+
+    def _loop_steps(self) -> None:
         eng = self.engine
         while not self._stopping:
             self._drain_commands()
@@ -159,13 +179,21 @@ class AsyncLLMEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            try:
-                outputs = eng.step()
-            except Exception as exc:
-                log.exception("engine step failed; failing the requests in flight")
-                for rid in list(eng.requests):
-                    eng.abort(rid, error=f"internal engine error: {exc}")
-                outputs = eng.step()
-            for out in outputs:
+            for out in eng.step():
                 self._deliver(out.request_id, out)
             self._stats = eng.stats()
+
+    def _fail(self, exc: BaseException) -> None:
+        log.critical("the engine cannot continue; failing every request in flight", exc_info=exc)
+        with self._streams_lock:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self._accepting = False
+            streams = list(self._streams.values())
+            self._streams.clear()
+        error = EngineFailedError(f"the engine failed: {self.failure}")
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        try:
+            self._loop.call_soon_threadsafe(self._failed.set)
+        except RuntimeError:  # the event loop is already closed: nobody is waiting
+            pass

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from sudu.config import DEFAULT_MODEL, add_engine_args, engine_config_from_args
+from sudu.server.limits import ServerLimits
 
 
 def register_cli(subparsers) -> None:
@@ -31,6 +32,12 @@ def register_cli(subparsers) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are failed "
                    "(default: 30)")
+    p.add_argument("--max-request-bytes", type=int, default=ServerLimits.max_request_bytes,
+                   help="larger request bodies get 413 before they are read (default: 4 MiB)")
+    p.add_argument("--prepare-workers", type=int, default=ServerLimits.prepare_workers,
+                   help="threads that render chat templates and tokenize, off the event loop (default: 2)")
+    p.add_argument("--prepare-queue", type=int, default=ServerLimits.prepare_queue,
+                   help="requests waiting for such a thread before new ones get 429 (default: 64)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(disk_cache_size="auto")  # a server keeps its context cache on disk; tests and the API opt in
@@ -40,6 +47,7 @@ def register_cli(subparsers) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import logging
 
+    from sudu.errors import EngineFailedError
     from sudu.server.app import LOAD_THREAD, build_app, make_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
@@ -59,8 +67,17 @@ def run_serve(args: argparse.Namespace) -> int:
         load_failure.append(exc)
         server.should_exit = True
 
+    def on_engine_failure(reason: str) -> None:
+        # the process exits non-zero so that a supervisor (systemd Restart=on-failure, Docker
+        # --restart on-failure, Kubernetes, Ray) starts a fresh one: docs/server.md
+        load_failure.append(EngineFailedError(f"the engine failed ({reason}); exiting for a restart"))
+        server.should_exit = True
+
+    limits = ServerLimits(max_request_bytes=args.max_request_bytes, prepare_workers=args.prepare_workers,
+                          prepare_queue=args.prepare_queue)
     app = build_app(load_engine=load_engine, served_model_name=args.served_model_name, api_key=api_key,
-                    shutdown_timeout_s=args.shutdown_timeout, on_load_error=on_load_error)
+                    shutdown_timeout_s=args.shutdown_timeout, limits=limits, on_load_error=on_load_error,
+                    on_engine_failure=on_engine_failure)
     server = make_server(app, args.host, args.port, log_level=args.log_level)
     print(f"sudu: serving on http://{args.host}:{args.port} (loading {config.model}; /health is 503 until ready)",
           flush=True)

@@ -13,9 +13,17 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16  # choices per request; each choice holds its own KV blocks while it runs
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Bounds on list fields: every one is scanned per request or per step, and the body-size limit alone
+# would let a single request hold hundreds of thousands of entries.
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 256
+MAX_PROMPTS = 256  # = the most choices of one call
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 
 class _Request(BaseModel):
@@ -41,7 +49,7 @@ class _SamplingFields(_Request):
     n: int = Field(1, ge=1, le=MAX_N, description=f"Choices per request, at most {MAX_N}.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description=f"A stop string or up to {MAX_STOP_STRINGS}; never included in the output."
     )
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
@@ -55,7 +63,9 @@ class _SamplingFields(_Request):
         1.0, ge=0.01, le=100.0, description="sudu extension: divide logits of seen tokens (>1 discourages repeats)."
     )
     ignore_eos: bool = Field(False, description="sudu extension: keep generating past end-of-sequence tokens.")
-    stop_token_ids: list[TokenId] | None = Field(None, description="sudu extension: token ids that end a choice.")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description=f"sudu extension: up to {MAX_STOP_TOKEN_IDS} token ids that end a choice."
+    )
     priority: int = Field(
         0, ge=-(2**31), le=2**31 - 1, description="sudu extension: scheduling priority; lower is served first."
     )
@@ -66,7 +76,7 @@ class TextPart(_Request):
     text: str
 
 
-MessageContent = Union[str, list[TextPart]]
+MessageContent = Union[str, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]]
 
 
 class ChatMessage(_Request):
@@ -76,7 +86,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens when both are set.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Needs logprobs=true.")
@@ -84,9 +94,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 PromptInput = Union[
     Annotated[str, Field(min_length=1)],
-    Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+    Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
     Annotated[list[TokenId], Field(min_length=1)],
-    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
 ]
 
 

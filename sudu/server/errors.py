@@ -1,0 +1,118 @@
+"""OpenAI-style errors: `APIError` (a status and OpenAI's `{"error": {message, type, param, code}}` body),
+the handlers that give every failure that body (validation, unknown routes, an oversized body, any
+unexpected exception), and the named errors the routes raise."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sudu.errors import EngineFailedError
+
+logger = logging.getLogger("sudu.server")
+
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {...}}` body with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class EngineRequestError(Exception):
+    """The engine failed this one request (its RequestOutput carried an error)."""
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def queue_full(what: str = "The request queue is full") -> APIError:
+    return APIError(429, f"{what}; retry shortly", type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down", type="service_unavailable", code="shutting_down")
+
+
+def engine_failed(reason: str) -> APIError:
+    return APIError(503, f"The engine failed and the server is restarting: {reason}", type="service_unavailable",
+                    code="engine_failed")
+
+
+def failed_call(exc: BaseException, draining: bool) -> APIError:
+    """The error a client gets for a call that failed after it was admitted (a stream's error event or a
+    non-stream response)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineFailedError):
+        return engine_failed(str(exc))
+    if draining:
+        return APIError(503, f"The server shut down before the request finished: {exc}",
+                        type="service_unavailable", code="request_aborted")
+    if isinstance(exc, EngineRequestError):
+        return APIError(500, f"The engine failed the request: {exc}", type="server_error", code="request_aborted")
+    logger.error("a request failed unexpectedly", exc_info=exc)
+    return APIError(500, f"Internal server error ({type(exc).__name__})", type="server_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        # OpenAI answers 400 for every malformed body, where FastAPI would say 422
+        errors = exc.errors()
+        first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            message = f"Malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            return error_response(APIError(400, message, code="invalid_json"))
+        param = _error_param(first.get("loc", ()))
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        if len({_error_param(e.get("loc", ())) for e in errors}) == 1 and len(errors) > 1:
+            message += " (nor does the value match any other accepted form)"  # a union's alternatives
+        elif len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem(s))"
+        return error_response(invalid(message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = None
+        if exc.status_code == 404:
+            message, type_ = f"Unknown route {request.method} {request.url.path}", "not_found_error"
+        elif exc.status_code == 405:
+            message, type_ = f"Method {request.method} not allowed on {request.url.path}", "invalid_request_error"
+        else:
+            message, type_ = str(exc.detail), "invalid_request_error"
+            code = "request_too_large" if exc.status_code == 413 else None
+        return error_response(APIError(exc.status_code, message, type=type_, code=code,
+                                       headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"Internal server error ({type(exc).__name__})", type="server_error"))
+
+
+def _error_param(loc) -> str | None:
+    """`body.messages.0.content` style path of a validation error, without pydantic's union-member tags."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or str(p).isidentifier()] if loc else []
+    return ".".join(parts) or None

@@ -1,0 +1,136 @@
+"""From a validated request body to engine work: the prompt (chat messages through the model's template,
+or completion prompts) becomes token ids, the sampling parameters are built, and the engine checks
+each request once. All of it is CPU work that grows with the input, so the routes run `prepare_chat` /
+`prepare_completion` in the worker pool (limits.py), never on the event loop, and pass the
+`PreparedCall` on unchanged.
+
+Cheap bounds come first: prompts x n against the choice limit, and the prompt's characters against
+what `max_model_len` tokens can cover, so an oversized prompt is refused before it is tokenized."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from sudu.engine.request import CheckedRequest
+from sudu.errors import RequestTooLongError, SuduError
+from sudu.sampling import SamplingParams
+from sudu.server import protocol as P
+from sudu.server.engine_protocol import ServingEngine
+from sudu.server.errors import invalid
+
+GREEDY_TEMPERATURE = 1e-5  # below this, temperature is treated as 0 (logits / ~0 overflow)
+MAX_CHOICES_PER_REQUEST = 256  # prompts x n of one /v1/completions call
+
+
+@dataclass
+class Job:
+    """One engine request of a call (a completions call with several prompts has several)."""
+
+    request_id: str
+    request: CheckedRequest
+    priority: int
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+
+@dataclass
+class PreparedCall:
+    jobs: list[Job]
+    n: int
+    logprobs: int | None  # None: no logprobs; k: the sampled token's and k alternatives
+    echo: list[str] | None = None  # completions with echo: each prompt's text
+
+
+def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> PreparedCall:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs requires logprobs=true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
+    _check_chars(engine, sum(_content_chars(m.content) for m in body.messages), "messages")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True, max_tokens=engine.max_model_len)
+    except RequestTooLongError as exc:
+        raise invalid(str(exc), "messages", code="context_length_exceeded") from exc
+    except Exception as exc:  # noqa: BLE001 -- templates reject message orders with raise_exception()
+        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from exc
+    if not ids:
+        raise invalid("The rendered prompt is empty", "messages")
+    return PreparedCall(_checked_jobs(engine, "chatcmpl", [ids], params, body.priority, "messages"), body.n, logprobs)
+
+
+def prepare_completion(engine: ServingEngine, body: P.CompletionRequest) -> PreparedCall:
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if len(prompts) * body.n > MAX_CHOICES_PER_REQUEST:
+        raise invalid(f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES_PER_REQUEST} choices", "prompt")
+    params = sampling_params(body, body.max_tokens, body.logprobs)
+    token_lists = []
+    for p in prompts:
+        if isinstance(p, str):
+            _check_chars(engine, len(p), "prompt")
+            try:
+                ids = engine.tokenizer.encode(p, add_special_tokens=True, max_tokens=engine.max_model_len)
+            except RequestTooLongError as exc:
+                raise invalid(str(exc), "prompt", code="context_length_exceeded") from exc
+        else:
+            ids = list(p)
+        if not ids:
+            raise invalid("The prompt encodes to no tokens", "prompt")
+        token_lists.append(ids)
+    jobs = _checked_jobs(engine, "cmpl", token_lists, params, body.priority, "prompt")
+    echo = [engine.tokenizer.decode(ids) for ids in token_lists] if body.echo else None
+    return PreparedCall(jobs, body.n, body.logprobs, echo)
+
+
+def sampling_params(body: P._SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=0.0 if body.temperature < GREEDY_TEMPERATURE else body.temperature,
+            top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, seed=body.seed, max_tokens=max_tokens, stop=list(stop),
+            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        raise invalid(message, message.split(" ", 1)[0]) from exc
+
+
+def _content_chars(content: P.MessageContent | None) -> int:
+    if content is None:
+        return 0
+    return len(content) if isinstance(content, str) else sum(len(part.text) for part in content)
+
+
+def _check_chars(engine: ServingEngine, num_chars: int, param: str) -> None:
+    """Refuse, without tokenizing, a prompt longer than the context could hold even at the tokenizer's
+    longest token per position."""
+    limit = engine.max_model_len * engine.tokenizer.max_token_chars
+    if num_chars > limit:
+        raise invalid(f"The prompt has {num_chars} characters; this model's context of {engine.max_model_len} "
+                      f"tokens covers at most {limit}", param, code="context_length_exceeded")
+
+
+def _checked_jobs(engine: ServingEngine, id_prefix: str, prompts: list[list[int]], params: SamplingParams,
+                  priority: int, prompt_param: str) -> list[Job]:
+    """One engine request per prompt, each checked once (length against the context, token ids against
+    the vocabulary) before anything is queued."""
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    jobs = []
+    for i, ids in enumerate(prompts):
+        try:
+            checked = engine.check_request(ids, params)
+        except RequestTooLongError as exc:
+            raise invalid(str(exc), prompt_param, code="context_length_exceeded") from exc
+        except (SuduError, ValueError) as exc:
+            raise invalid(str(exc), prompt_param) from exc
+        jobs.append(Job(request_id if len(prompts) == 1 else f"{request_id}-{i}", checked, priority))
+    return jobs
+
+
