@@ -54,7 +54,8 @@ def script(body):
     _SEEN_PREFIXES.add(first)
     usage = {"prompt_tokens": 40, "completion_tokens": len(words), "total_tokens": 40 + len(words),
              "prompt_tokens_details": {"cached_tokens": 32 if warm else 0}}
-    return chat_script(pieces, usage=usage, model=body["model"],
+    running = [1] * len(pieces) if body["stream_options"].get("continuous_usage_stats") else None
+    return chat_script(pieces, usage=usage, model=body["model"], continuous_usage_tokens=running,
                        sudu={"queue_s": 0.0, "prefill_s": 0.001, "decode_s": 0.0005 * len(words), "cached_tokens": 0})
 
 
@@ -77,7 +78,13 @@ def test_single_writes_reports(server, tmp_path, capsys):
     assert rep["schema"] == "sudu-bench/1" and not rep["partial"]
     assert set(rep["definitions"]) >= {"ttft_s", "tpot_s", "itl_s", "e2e_s", "throughput_tok_s", "cache_state"}
     assert rep["server_info"]["models"]["data"][0]["id"] == "fake" and rep["target"]["model"] == "fake"
-    assert len(rep["records"]) == 13 and sum(r["warmup"] for r in rep["records"]) == 1
+    # 1 warm-up, 1 probe for per-chunk usage (excluded too), 12 measured
+    assert len(rep["records"]) == 14 and sum(r["warmup"] for r in rep["records"]) == 2
+    assert rep["groups"][0]["chunk_token_source"] == {"server:usage": 12}
+    assert any("per-chunk token counts from the server" in n for n in rep["notes"])
+    assert rep["config"]["sampling"] == {"temperature": 0.0}
+    assert rep["groups"][0]["params"]["prompt_set"].startswith("chat-code@")
+    assert len({r["text"] for r in rep["records"]}) >= 1
     g = rep["groups"][0]
     assert g["cache_state"] == "cold" and g["n_requests"] == 12 and g["metrics"]["ttft_s"]["ci_low"] is not None
     assert "attribution" in g and rep["environment"]["python"]
@@ -141,14 +148,6 @@ def test_cache_contradiction_flagged(tmp_path):
     assert len(rep["flags"]) == 2 and "declared cold but 384 cached tokens" in rep["flags"][0]
 
 
-def test_token_gap_flagged(server, tmp_path, monkeypatch):
-    monkeypatch.setattr(tokens, "load_token_counter", lambda model: (lambda text: 2 * len(text.split()), "recounted (test)"))
-    run_cli(["single", "--url", server.url, "-n", "2", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
-    _, rep = _report(tmp_path, "single")
-    assert rep["token_recount"] == "recounted (test)"
-    assert len(rep["flags"]) == 2 and "tokenizer counts" in rep["flags"][0]
-
-
 def test_tasks_are_checked_and_every_call_counted(server, tmp_path):
     run_cli(["tasks", "--url", server.url, "--out", str(tmp_path), "--context-len", "1024", "--no-html"])
     _, rep = _report(tmp_path, "tasks")
@@ -159,7 +158,17 @@ def test_tasks_are_checked_and_every_call_counted(server, tmp_path):
     assert by_task["async_refactor"]["passed"] is False and by_task["async_refactor"]["task_time_s"] is None
     assert by_task["async_refactor"]["calls"] == 3
     svg_records = [r for r in rep["records"] if r["task"] == "svg"]
-    assert [r["cache_state"] for r in svg_records] == ["cold", "shared-prefix"]
+    assert [(r["group"], r["cache_state"]) for r in svg_records] == [("task svg", "cold"),
+                                                                    ("task svg retries", "shared-prefix")]
+    groups = {g["name"]: g for g in rep["groups"]}
+    # first attempts and retries are reported apart: the cold group holds only first attempts
+    assert groups["task svg"]["n_requests"] == 1 and groups["task svg retries"]["n_requests"] == 1
+    assert groups["task async_refactor retries"]["n_requests"] == 2 and "task sql retries" not in groups
+    assert groups["task svg retries"]["observed_cache"]["mean_cached_tokens"] == 32  # the fake server's reuse
+    assert not [f for f in rep["flags"] if "declared" in f]
+    summary = {t["task"]: t for t in rep["tasks"]}
+    assert summary["svg"]["pass_at_1"] == 0.0 and summary["svg"]["pass_rate"] == 1.0
+    assert summary["sql"]["pass_at_1"] == 1.0 and summary["sql"]["first_attempt_task_time_s"]["n"] == 1
     assert rep["config"]["context_len_used"] == 1024
 
 
@@ -217,7 +226,7 @@ def test_embedded_default_starts_waits_and_stops_a_server(tmp_path, monkeypatch)
     it and the process is stopped. (The fake server stands in for `sudu serve` here.)"""
     started = []
 
-    def fake_serve(port, model):
+    def fake_serve(port, model, extra=""):
         started.append(port)
         return [sys.executable, "-m", "sudu.bench.fake_server", "--port", str(port)]
 
@@ -239,6 +248,68 @@ def test_embedded_default_starts_waits_and_stops_a_server(tmp_path, monkeypatch)
 
 def test_embedded_default_reports_a_server_that_dies(tmp_path, monkeypatch):
     monkeypatch.setattr(local_server, "serve_command",
-                        lambda port, model: [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"])
+                        lambda port, model, extra="": [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"])
     with pytest.raises(SuduError, match="exited with code 3"):
         run_cli(["single", "-n", "2", "--out", str(tmp_path), "--no-html"])
+
+
+def test_per_chunk_usage_probe_and_fallback(tmp_path):
+    """A server that rejects continuous_usage_stats is not asked again: usage is apportioned over the
+    chunks (sum = usage) and the report says so; a server whose per-chunk counts contradict its usage is
+    flagged, one whose counts agree is not."""
+    def strict(body):
+        if body["stream_options"].get("continuous_usage_stats"):
+            from sudu.bench.fake_server import ScriptedResponse
+
+            return ScriptedResponse(status=400, body=b'{"error": {"message": "unknown field continuous_usage_stats"}}')
+        return chat_script([(0.001, "ab"), (0.002, "cdef")], usage={"prompt_tokens": 3, "completion_tokens": 5,
+                                                                    "total_tokens": 8})
+
+    with FakeServer(strict) as srv:
+        run_cli(["single", "--url", srv.url, "-n", "3", "--warmup", "0", "--out", str(tmp_path / "a"), "--no-html"])
+    _, rep = _report(tmp_path / "a", "single")
+    assert any("rejected stream_options.continuous_usage_stats" in n for n in rep["notes"])
+    measured = [r for r in rep["records"] if not r["warmup"]]
+    assert all("continuous_usage_stats" not in srv.requests[i + 1]["stream_options"] for i in range(3))
+    assert all(r["ok"] and sum(r["chunk_tokens"]) == 5 and r["token_source"] == "usage apportioned by characters"
+               for r in measured)
+    assert rep["flags"] == []
+
+    def liar(body):
+        return chat_script([(0.001, "ab"), (0.002, "cd")], continuous_usage_tokens=[1, 1],
+                           usage={"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12})
+
+    with FakeServer(liar) as srv:
+        run_cli(["single", "--url", srv.url, "-n", "2", "--warmup", "0", "--out", str(tmp_path / "b"), "--no-html"])
+    _, rep = _report(tmp_path / "b", "single")
+    assert len(rep["flags"]) == 2 and "per-chunk counts sum to 2, usage says 9" in rep["flags"][0]
+
+
+def test_recount_gap_is_a_note_when_the_server_counts_per_chunk(server, tmp_path, monkeypatch):
+    """Repetitive text re-tokenizes into fewer tokens than were generated: with the server's per-chunk
+    counts adding up to usage that is not a flag (the figures do not rest on the recount); without
+    them it is."""
+    monkeypatch.setattr(tokens, "load_token_counter", lambda model: (lambda text: max(1, len(text.split()) // 2),
+                                                                      "recounted (test)"))
+    run_cli(["single", "--url", server.url, "-n", "2", "--warmup", "0", "--out", str(tmp_path / "a"), "--no-html"])
+    _, rep = _report(tmp_path / "a", "single")
+    assert rep["flags"] == [] and any("re-tokenizes differently" in n for n in rep["notes"])
+    run_cli(["single", "--url", server.url, "-n", "2", "--warmup", "0", "--chunk-usage", "off",
+             "--out", str(tmp_path / "b"), "--no-html"])
+    _, rep = _report(tmp_path / "b", "single")
+    assert len(rep["flags"]) == 2 and "tokenizer counts" in rep["flags"][0]
+
+
+def test_code_tasks_refused_for_remote_endpoints_and_without_sandbox(tmp_path, monkeypatch):
+    from sudu.bench.tasks import sandbox
+
+    argv = ["tasks", "--url", "http://10.1.2.3:8000", "--model", "m", "--out", str(tmp_path)]
+    with pytest.raises(SuduError, match="not a loopback address.*--allow-remote-code"):
+        run_cli(argv + ["--tasks", "palindrome,sql"])
+    for tasks, allow in ((["sql"], False), (["palindrome", "sql"], True)):  # no code tasks, or the flag: accepted
+        bench_cli.check_code_tasks(argparse.Namespace(task_list=tasks, url="http://10.1.2.3:8000",
+                                                      allow_remote_code=allow))
+    monkeypatch.setattr(sandbox, "sandbox_problem", lambda: "bubblewrap (bwrap) is not installed")
+    with pytest.raises(SuduError, match="without a sandbox: bubblewrap"):
+        run_cli(["tasks", "--url", "http://127.0.0.1:1", "--model", "m", "--tasks", "async_refactor",
+                 "--out", str(tmp_path)])

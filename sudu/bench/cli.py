@@ -31,6 +31,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     r.add_argument("--warmup", type=int, default=2, help="warm-up requests, excluded from every figure")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM, SGLang, sudu)")
+    r.add_argument("--chunk-usage", choices=("auto", "on", "off"), default="auto",
+                   help="ask for per-chunk token counts (stream_options.continuous_usage_stats); auto: one "
+                   "excluded probe request decides")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--no-html", action="store_true", help="skip the HTML report (plots take a few seconds)")
 
@@ -79,6 +82,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--context-len", type=int, default=None,
                    help="the model's context in tokens (default: from /v1/models, else 4096)")
     p.add_argument("--retrieval-fraction", type=float, default=0.5, help="retrieval document length / context")
+    p.add_argument("--allow-remote-code", action="store_true",
+                   help="run (sandboxed) code answers from a non-loopback --url too; off by default")
     p.set_defaults(func=cmd_suite, warmup=1)
 
     p = suites.add_parser("conversation", help="multi-turn coding-agent sessions: per-turn TTFT and cached share, "
@@ -137,6 +142,7 @@ def validate(args) -> dict:
         args.task_list = names
         if args.attempts < 1 or args.repeat < 1:
             raise SuduError("--attempts and --repeat must be >= 1")
+        check_code_tasks(args)
     if args.suite == "conversation":
         if args.users < 1 or args.turns < 1 or args.team_size < 1 or args.answer_tokens < 1:
             raise SuduError("--users, --turns, --team-size and --answer-tokens must be >= 1")
@@ -147,6 +153,39 @@ def validate(args) -> dict:
             if not 1 <= k < args.turns:
                 raise SuduError(f"--restart-after-turn must be between 1 and {args.turns - 1} (--turns - 1)")
     return parse_slo(getattr(args, "slo", None))
+
+
+def _loopback(url: str | None) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    if not url:
+        return True  # the local sudu serve that bench starts itself
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_code_tasks(args) -> None:
+    """Code answers run only sandboxed, and from a non-loopback endpoint only when asked explicitly."""
+    from sudu.bench.tasks import CODE_TASKS
+    from sudu.bench.tasks.sandbox import sandbox_problem
+
+    code = [t for t in args.task_list if t in CODE_TASKS]
+    if not code:
+        return
+    others = ",".join(t for t in args.task_list if t not in CODE_TASKS) or "retrieval,sql,svg"
+    problem = sandbox_problem()
+    if problem:
+        raise SuduError(f"refusing to run the code tasks ({', '.join(code)}) without a sandbox: {problem}; "
+                        f"or run --tasks {others}")
+    if not _loopback(args.url) and not args.allow_remote_code:
+        raise SuduError(f"{args.url} is not a loopback address: its answers to {', '.join(code)} would be run on "
+                        f"this machine (sandboxed); pass --allow-remote-code, or run --tasks {others}")
 
 
 def cmd_suite(args) -> int:
@@ -163,8 +202,12 @@ def cmd_suite(args) -> int:
 
 
 def _config(args) -> dict:
+    from sudu.bench.suites import SAMPLING
+
     skip = {"func", "api_key"}
-    return {k: v for k, v in vars(args).items() if k not in skip and isinstance(v, (str, int, float, bool, list, dict, type(None)))}
+    config = {k: v for k, v in vars(args).items()
+              if k not in skip and isinstance(v, (str, int, float, bool, list, dict, type(None)))}
+    return {**config, "sampling": dict(SAMPLING)}
 
 
 def execute(args, slo: dict, overhead: dict | None = None) -> int:
@@ -236,6 +279,7 @@ async def run_suite(args, run) -> None:
         async with ClientPool(args.timeout) as pool:
             ctx = suites.Ctx(pool=pool, base=base, headers=headers, model=model, run=run,
                              count_tokens=count_tokens, extra_body=extra, on_done=on_done)
+            run.notes.append(await suites.probe_chunk_usage(ctx, args.chunk_usage))
             if args.suite == "single":
                 await suites.run_single(ctx, args.num_requests, args.warmup, args.max_tokens)
             elif args.suite == "throughput":

@@ -58,6 +58,14 @@ def cached_tokens(usage: dict | None, sudu: dict | None = None) -> int | None:
     return None
 
 
+def observed_state(cached: int | None, cold_limit: int = COLD_CACHED_TOKENS_LIMIT) -> str:
+    """What the server's cached-token count says happened: cold, reused (a prefix was served from a
+    cache), or not reported."""
+    if cached is None:
+        return "not reported"
+    return "cold" if cached <= cold_limit else "reused"
+
+
 def itl_per_token(chunk_times_s: list[float], chunk_tokens: list[int]) -> list[float]:
     """Per-token gaps. A chunk of k tokens spreads the time since the previous token-carrying chunk over
     k gaps; a 0-token chunk (text of tokens counted earlier) adds none."""
@@ -134,6 +142,7 @@ def request_metrics(rec) -> dict:
     usage = rec.usage or {}
     m["prompt_tokens"] = usage.get("prompt_tokens")
     m["cached_tokens"] = cached_tokens(rec.usage, rec.sudu)
+    m["observed_cache_state"] = observed_state(m["cached_tokens"])
     if not rec.chunk_times_s:
         return m
     rec.chunk_tokens, rec.token_source, mismatch = chunk_token_counts(rec)

@@ -103,11 +103,15 @@ def task_summaries(results: list[dict]) -> list[dict]:
     for name in dict.fromkeys(r["task"] for r in results):
         rs = [r for r in results if r["task"] == name]
         passed = [r for r in rs if r["passed"]]
+        first = [r for r in rs if r.get("passed_first")]
         out.append({
             "task": name,
             "runs": len(rs),
             "passed": len(passed),
+            "pass_at_1": len(first) / len(rs),
+            "pass_rate": len(passed) / len(rs),
             "task_time_s": summarize([r["task_time_s"] for r in passed]).to_dict(),
+            "first_attempt_task_time_s": summarize([r["task_time_s"] for r in first]).to_dict(),
             "calls": sum(r["calls"] for r in rs),
             "last_detail": rs[-1]["detail"],
         })
@@ -233,12 +237,15 @@ def cache_rows(report: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def task_rows(report: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["task", "passed", "task time s p50 (passing only)", "mean 95% CI", "calls", "last check"]
+    header = ["task", "pass@1", "passed (any attempt)", "task time s p50 (passing only)", "mean 95% CI",
+              "first-attempt passes: task time s p50", "calls", "last check"]
     rows = []
     for t in report["tasks"]:
         s = t["task_time_s"]
         ci = "-" if s.get("ci_low") is None else f"[{s['ci_low']:.2f}, {s['ci_high']:.2f}]"
-        rows.append([t["task"], f"{t['passed']}/{t['runs']}", _num(s.get("median"), "{:.2f}"), ci, str(t["calls"]),
+        rows.append([t["task"], _num(t.get("pass_at_1"), "{:.2f}"), f"{t['passed']}/{t['runs']}",
+                     _num(s.get("median"), "{:.2f}"), ci,
+                     _num((t.get("first_attempt_task_time_s") or {}).get("median"), "{:.2f}"), str(t["calls"]),
                      t["last_detail"][:80]])
     return header, rows
 

@@ -15,16 +15,20 @@ from sudu.bench.client import ClientPool, RequestRecord, chat_body, stream_chat
 from sudu.bench.metrics import request_metrics
 from sudu.bench.tasks import build_task
 from sudu.bench.workloads import (
+    CHAT_CODE_PROMPTS,
     LONG_ANSWER_QUESTION,
     SHORT_QUESTION,
     arrival_offsets,
     filler_text,
+    length_summary,
     long_prompt,
     make_messages,
+    prompt_set_id,
     salt,
 )
 
 DEFAULT_CONTEXT_LEN = 4096
+SAMPLING = {"temperature": 0.0}  # every request; recorded in the report's config so compare can check it
 _CONTEXT_KEYS = ("max_model_len", "context_length", "context_window", "max_context_length", "n_ctx", "n_ctx_train")
 
 
@@ -73,7 +77,7 @@ class Ctx:
 async def send(ctx: Ctx, group: str, cache_state: str, messages: list[dict], max_tokens: int,
                warmup: bool = False, task: str | None = None) -> RequestRecord:
     rec = RequestRecord(request_id=next(ctx.ids), group=group, cache_state=cache_state, warmup=warmup, task=task)
-    body = chat_body(ctx.model, messages, max_tokens, **ctx.extra_body)
+    body = chat_body(ctx.model, messages, max_tokens, **SAMPLING, **ctx.extra_body)
     async with ctx.pool.acquire() as client:
         await stream_chat(client, ctx.base, body, ctx.headers, rec, ctx.count_tokens)
     rec.metrics = request_metrics(rec)
@@ -95,16 +99,38 @@ def context_len_from_server(server_info: dict) -> int | None:
     return None
 
 
+async def probe_chunk_usage(ctx: Ctx, mode: str) -> str:
+    """Decide whether to ask for per-chunk token counts (`stream_options.continuous_usage_stats`); returns
+    a note for the report. auto: one excluded request asks for them, and they are used when the server
+    sent them; a server that rejects the field (an API that validates stream_options) is not asked again."""
+    if mode != "auto":
+        ctx.extra_body["continuous_usage"] = mode == "on"
+        return f"per-chunk usage {'requested' if mode == 'on' else 'not requested'} (--chunk-usage {mode})"
+    ctx.extra_body["continuous_usage"] = True
+    rec = await send(ctx, "probe", "cold", make_messages("cold", SHORT_QUESTION), 8, warmup=True)
+    if rec.status == 200 and "usage" in (rec.chunk_server_kind or ""):
+        return "per-chunk token counts from the server (stream_options.continuous_usage_stats)"
+    ctx.extra_body["continuous_usage"] = False
+    if rec.status is not None and 400 <= rec.status < 500:
+        return (f"the server rejected stream_options.continuous_usage_stats ({(rec.error or '')[:120]}): tokens per "
+                "chunk from usage apportioned over the chunks")
+    return "the server sends no per-chunk usage: tokens per chunk from usage apportioned over the chunks"
+
+
 async def warmup(ctx: Ctx, n: int, max_tokens: int = 16) -> None:
     for _ in range(n):
         await send(ctx, "warmup", "cold", make_messages("cold", SHORT_QUESTION), max_tokens, warmup=True)
 
 
 async def run_single(ctx: Ctx, n: int, warmups: int, max_tokens: int) -> None:
+    """One chat turn at a time, cold, cycling through CHAT_CODE_PROMPTS."""
     await warmup(ctx, warmups)
-    ctx.run.groups.append(Group("single", "cold", {"max_tokens": max_tokens}))
-    for _ in range(n):
-        await send(ctx, "single", "cold", make_messages("cold", SHORT_QUESTION), max_tokens)
+    used = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(n)]
+    ctx.run.groups.append(Group("single", "cold", {"max_tokens": max_tokens,
+                                                   "prompt_set": prompt_set_id("chat-code", used),
+                                                   "prompt_lengths": length_summary(used)}))
+    for text in used:
+        await send(ctx, "single", "cold", make_messages("cold", text), max_tokens)
 
 
 def throughput_levels(concurrencies: list[int], rates: list[float], max_concurrency: int | None) -> list[Group]:
@@ -153,6 +179,7 @@ async def run_throughput(ctx: Ctx, levels: list[Group], n: int, warmups: int, in
     await warmup(ctx, warmups)
     base_prompt = long_prompt(input_words, seed, LONG_ANSWER_QUESTION) if input_words else LONG_ANSWER_QUESTION
     for level in levels:
+        level.params["prompt_set"] = prompt_set_id("filler-essay", [base_prompt])
         ctx.run.groups.append(level)
 
         def send_one(name=level.name):
@@ -176,6 +203,8 @@ async def run_cache(ctx: Ctx, lengths: list[int], n: int, max_tokens: int, seed:
         cold = Group(f"cold len={length}", "cold", {"prompt_words": length})
         warm = Group(f"warm len={length}", "warm", {"prompt_words": length})
         shared = Group(f"shared-prefix len={length}", "shared-prefix", {"prompt_words": length})
+        for g in (cold, warm, shared):
+            g.params["prompt_set"] = prompt_set_id("filler", [str(length), str(seed), str(n)])
         ctx.run.groups += [cold, warm, shared]
         for i in range(n):
             await send(ctx, cold.name, "cold", make_messages("cold", long_prompt(length, seed + i)), max_tokens)
@@ -199,23 +228,36 @@ async def run_tasks(ctx: Ctx, names: list[str], repeat: int, attempts: int, cont
                     retrieval_fraction: float, warmups: int, seed: int,
                     on_task_done: Callable[[dict], None] | None = None) -> None:
     """Each task: start the clock, ask, check; on failure send the checker's verdict back and ask again
-    (up to `attempts` calls, every one counted). Time stops when an answer passes the checker."""
+    (up to `attempts` calls, every one counted). Time stops when an answer passes the checker.
+
+    First attempts are cold (group "task <name>"). A retry resends the whole conversation so far, which
+    the server has just seen: its requests go to their own group, "task <name> retries", declared
+    shared-prefix, so that cold figures never mix with reused ones."""
     await warmup(ctx, warmups)
     for name in names:
-        group = f"task {name}"
-        ctx.run.groups.append(Group(group, "cold", {"task": name}))
+        first_group, retry_group = f"task {name}", f"task {name} retries"
+        ctx.run.groups.append(Group(first_group, "cold", {"task": name}))
+        retries = Group(retry_group, "shared-prefix", {"task": name})
         for r in range(repeat):
             inst = build_task(name, context_len, seed + r, retrieval_fraction)
+            if r == 0:
+                prompt_set = prompt_set_id(f"task-{name}", [m["content"] for m in inst.messages])
+                ctx.run.groups[-1].params["prompt_set"] = retries.params["prompt_set"] = prompt_set
             messages = make_messages("cold", inst.messages[0]["content"]) + inst.messages[1:]
-            result = {"task": name, "repeat": r, "passed": False, "task_time_s": None, "calls": 0,
-                      "model_time_s": 0.0, "output_tokens": 0, "detail": "", "info": inst.info}
+            result = {"task": name, "repeat": r, "passed": False, "passed_first": False, "task_time_s": None,
+                      "first_call_s": None, "calls": 0, "model_time_s": 0.0, "output_tokens": 0, "detail": "",
+                      "info": inst.info}
             t0 = time.perf_counter()
             for attempt in range(attempts):
-                state = "cold" if attempt == 0 else "shared-prefix"
+                if attempt == 1 and retries not in ctx.run.groups:
+                    ctx.run.groups.append(retries)
+                group, state = (first_group, "cold") if attempt == 0 else (retry_group, "shared-prefix")
                 rec = await send(ctx, group, state, messages, inst.max_tokens, task=name)
                 result["calls"] += 1
                 result["model_time_s"] += rec.done_s or 0.0
                 result["output_tokens"] += rec.metrics.get("output_tokens") or 0
+                if attempt == 0:
+                    result["first_call_s"] = rec.done_s
                 if not rec.ok:
                     result["detail"] = f"request failed: {rec.error}"
                     break
@@ -223,6 +265,7 @@ async def run_tasks(ctx: Ctx, names: list[str], repeat: int, attempts: int, cont
                 result["detail"] = verdict.detail
                 if verdict.passed:
                     result["passed"] = True
+                    result["passed_first"] = attempt == 0
                     result["task_time_s"] = time.perf_counter() - t0
                     break
                 messages = messages + [{"role": "assistant", "content": rec.text},

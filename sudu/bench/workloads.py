@@ -2,6 +2,7 @@
 a given length, and request arrival schedules (Poisson, gamma with burstiness, constant)."""
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 import numpy as np
@@ -12,6 +13,37 @@ CACHE_STATES = ("cold", "warm", "shared-prefix")
 ARRIVALS = ("poisson", "gamma", "constant")
 
 SHORT_QUESTION = "In two sentences, why is the sky blue?"
+
+# The `single` suite's prompts: everyday coding-assistant and chat turns, each with a different answer,
+# so that a long (or --ignore-eos) answer is a real one and not one answer repeated. Lengths as such turns
+# come: a question of 10-30 words, or a request with 5-40 lines of code. Sent in order, cycling.
+CHAT_CODE_PROMPTS = (
+    "Explain the difference between a process and a thread, with an example of when to use each.",
+    "Write a Python function that parses a duration like '1h30m15s' into seconds, with tests.",
+    "What are the trade-offs between PostgreSQL and SQLite for a small web app?",
+    "Review this function and suggest improvements:\n\n```python\ndef avg(xs):\n    s = 0\n    for i in range(len(xs)):\n"
+    "        s = s + xs[i]\n    return s / len(xs)\n```",
+    "How do I undo the last git commit but keep the changes in my working tree?",
+    "Write a bash script that finds the ten largest files under a directory and prints their sizes.",
+    "Explain what a race condition is to a new programmer, and show one in Python.",
+    "Convert this callback code to async/await:\n\n```javascript\nfunction load(url, cb) {\n  fetch(url).then(r => "
+    "r.json()).then(d => cb(null, d)).catch(e => cb(e));\n}\n```",
+    "Plan a three-day trip to Kyoto for someone who likes gardens and food.",
+    "Write a SQL query that returns each customer's most recent order, given customers(id, name) and "
+    "orders(id, customer_id, created_at, total).",
+    "Why does my Python program print 0.30000000000000004 for 0.1 + 0.2, and what should I do about it?",
+    "Implement an LRU cache class in Python with get and put in O(1), and explain the design.",
+    "Summarize the main ideas of the CAP theorem and how real databases deal with it.",
+    "Find the bug:\n\n```python\ndef merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] < b[j]:\n            out.append(a[i]); i += 1\n        else:\n            out.append(b[j]); j += 1\n"
+    "    return out\n```",
+    "Write a short, friendly email declining a meeting invitation and proposing another time.",
+    "Explain how HTTPS keeps a connection private, step by step, without heavy math.",
+    "Write a Rust function that counts word frequencies in a string and returns the top five.",
+    "What is the difference between a list and a tuple in Python, and when does it matter?",
+    "Design the REST endpoints for a simple todo app with users, lists and items.",
+    "Write unit tests with pytest for a function slugify(title) that lowercases, trims and joins words with dashes.",
+)
 LONG_ANSWER_QUESTION = "Write a long, detailed essay about the history of computing, from the abacus to today."
 
 # Common short English words: about one token each in BPE vocabularies, so N words ~ N tokens.
@@ -59,6 +91,18 @@ def make_messages(cache_state: str, user: str, system: str | None = None) -> lis
         else:
             messages[0] = {**messages[0], "content": salt() + messages[0]["content"]}
     return messages
+
+
+def prompt_set_id(name: str, texts) -> str:
+    """`name@<12 hex>`: the same id if and only if the same prompt texts (before any salt) were used."""
+    digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:12]
+    return f"{name}@{digest}"
+
+
+def length_summary(texts) -> dict:
+    """The prompt-length distribution that a report declares, in words."""
+    words = sorted(len(t.split()) for t in texts)
+    return {"min_words": words[0], "median_words": words[len(words) // 2], "max_words": words[-1], "n_prompts": len(words)}
 
 
 def long_prompt(num_words: int, seed: int, question: str = "Summarize the text above in one sentence.") -> str:

@@ -52,6 +52,9 @@ def extract_code(text: str, langs: tuple[str, ...] = (), must_contain: str | Non
     return text
 
 
+CODE_TASKS = ("palindrome", "async_refactor")  # their answers are executed (sandboxed)
+
+
 def task_names() -> tuple[str, ...]:
     return ("retrieval", "palindrome", "sql", "svg", "async_refactor")
 
