@@ -356,6 +356,7 @@ def test_full_queue_is_429_with_retry_after(fake):
     finally:
         fake.engine.full = False
     assert chat(fake.url).status_code == 200
+    assert 'sudu:request_errors_total{code="queue_full",status="429"}' in httpx.get(fake.url + "/metrics").text
 
 
 def test_stream_disconnect_aborts(fake):
@@ -494,6 +495,8 @@ def test_oversized_body_is_413_before_it_is_read():
         assert assert_openai_error(r, 413)["code"] == "request_too_large"
         assert engine.tokenizer.encoded_chars == 0
         assert chat(live.url).status_code == 200
+        metrics = httpx.get(live.url + "/metrics").text
+        assert 'sudu:request_errors_total{code="request_too_large",status="413"} 2.0' in metrics
 
 
 def test_prompt_longer_than_the_context_can_cover_is_refused_before_tokenizing(fake):

@@ -98,8 +98,8 @@ def build_app(
         description="OpenAI-compatible API of sudu, a speed-first LLM inference engine. See docs/server.md.",
     )
     app.state.sudu = state
-    install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
+    install_error_handlers(app, state.metrics.count_error)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes, count=state.metrics.count_error)
     app.include_router(open_routes(state))
     app.include_router(api_routes(state), dependencies=[Depends(api_key_dependency(api_key))])
     return app

@@ -4,6 +4,7 @@ unexpected exception), and the named errors the routes raise."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,10 +33,6 @@ class APIError(Exception):
 
 class EngineRequestError(Exception):
     """The engine failed this one request (its RequestOutput carried an error)."""
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
@@ -72,7 +69,13 @@ def failed_call(exc: BaseException, draining: bool) -> APIError:
     return APIError(500, f"Internal server error ({type(exc).__name__})", type="server_error")
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, count: Callable[[APIError], None]) -> None:
+    """Every failure answered as OpenAI's error body; count(err) sees each one (the error metric)."""
+
+    def error_response(err: APIError) -> JSONResponse:
+        count(err)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return error_response(exc)

@@ -37,9 +37,10 @@ class BodySizeLimit:
     """ASGI middleware: a declared Content-Length over the limit is answered 413 before any of the body
     is read; a body that grows past it while streaming in (chunked) ends with the same 413."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, count: Callable[[APIError], None]):
         self.app = app
         self.max_bytes = max_bytes
+        self.count = count  # sees each 413 this middleware answers itself (the error metric)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -47,7 +48,9 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_413(send, self.max_bytes)
+            err = APIError(413, _too_large(self.max_bytes), code="request_too_large")
+            self.count(err)
+            await _send_413(send, err)
             return
         received = 0
 
@@ -64,8 +67,8 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
-async def _send_413(send, limit: int) -> None:
-    body = json.dumps(APIError(413, _too_large(limit), code="request_too_large").body()).encode()
+async def _send_413(send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

@@ -103,7 +103,15 @@ class ServerMetrics:
         self.request_success = Counter(
             "sudu:request_success", "Finished choices, by finish reason.", ["finish_reason"], registry=r
         )
+        self.request_errors = Counter(
+            "sudu:request_errors", "Requests answered with an error (a stream: an error event), by status and code.",
+            ["status", "code"], registry=r,
+        )
         r.register(_EngineStatsCollector(get_stats))
+
+    def count_error(self, err) -> None:
+        """An error answered to a client (server/errors.APIError)."""
+        self.request_errors.labels(status=str(err.status), code=err.code or "").inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

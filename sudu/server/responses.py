@@ -260,5 +260,7 @@ class Call:
             if options.include_usage:
                 yield self._chunk([], usage=self.usage(), sudu=self.timing())
         except Exception as exc:  # noqa: BLE001 -- a stream ends with an error event, never cut short
-            yield b"data: " + json.dumps(failed_call(exc, self.is_draining()).body()).encode() + b"\n\n"
+            err = failed_call(exc, self.is_draining())
+            self.metrics.count_error(err)
+            yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
