@@ -15,6 +15,10 @@ sequence, n_seq_max = N, unified KV cache): every step decodes all N sequences i
 which is what llama.cpp's own batched server does. Greedy picking is an argmax over each row's logits
 on both sides. Each figure is the median of --repeat runs; the two engines alternate within a repeat.
 
+Both sides start every run with nothing cached: llama.cpp's KV is cleared before each run, and every
+prompt sudu gets opens with a fresh salt, so its prefix cache cannot serve a prompt it saw in an
+earlier repeat or warm-up.
+
     pip install 'sudu[bench-llamacpp]'    # or: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python
     python benchmarks/vs_llamacpp.py [--quantization int8] [--batches 8,32] [--contexts 1000,4000]
                                      [--kv-cache-dtype int8] [--repeat 3]
@@ -25,6 +29,7 @@ import argparse
 import ctypes
 import statistics
 import time
+import uuid
 
 import numpy as np
 import torch
@@ -38,14 +43,18 @@ TOPICS = ["binary search", "a linked list", "quicksort", "an LRU cache", "a trie
           "a regex matcher", "a B-tree", "Huffman coding"]
 
 
+def salted(tokenizer, text: str) -> list[int]:
+    """A chat prompt that no earlier run has sent: a fresh salt opens it (see the module docstring)."""
+    return tokenizer.encode_chat([{"role": "user", "content": f"[{uuid.uuid4().hex}] {text}"}])
+
+
 def batch_prompts(tokenizer, n: int) -> list[list[int]]:
-    return [tokenizer.encode_chat([{"role": "user", "content": f"Implement {TOPICS[i % len(TOPICS)]} in Python "
-                                    f"(variant {i})."}]) for i in range(n)]
+    return [salted(tokenizer, f"Implement {TOPICS[i % len(TOPICS)]} in Python (variant {i}).") for i in range(n)]
 
 
-def long_prompt(tokenizer, n_tokens: int, salt: int) -> list[int]:
+def long_prompt(tokenizer, n_tokens: int) -> list[int]:
     text = open(__file__).read()
-    ids = tokenizer.encode(f"# {salt}\n" + text * (1 + 4 * n_tokens // max(1, len(text))), add_special_tokens=False)
+    ids = tokenizer.encode(f"# {uuid.uuid4().hex}\n" + text * (1 + 4 * n_tokens // max(1, len(text))), add_special_tokens=False)
     return ids[:n_tokens]
 
 
@@ -170,11 +179,12 @@ def main() -> None:
     n_ctx = max([4096, max_seqs * 160] + [c + args.decode_tokens + 16 for c in contexts])
     sides = {"sudu": Sudu(args.model, args.quantization, args.threads, max_seqs, args.kv_cache_dtype),
              "llama.cpp": LlamaCpp(path, args.threads, max_seqs, n_ctx=n_ctx)}
-    decode_prompt = tok.encode_chat([{"role": "user", "content": "Write a Python function that merges two sorted "
-                                                                 "lists, with a docstring and tests."}])
+    def decode_prompt():
+        return salted(tok, "Write a Python function that merges two sorted lists, with a docstring and tests.")
+
     results: dict[str, dict[str, list[float]]] = {name: {} for name in sides}
     for name, side in sides.items():  # warm-up: first-call costs (kernel compile, page faults) stay out
-        side.decode(decode_prompt, 4)
+        side.decode(decode_prompt(), 4)
         if batches:
             side.batch(batch_prompts(tok, 2), 2)
     # This VM's bandwidth moves with its neighbours (30-60 GB/s within an hour), so each sudu decode run is
@@ -183,14 +193,14 @@ def main() -> None:
     for r in range(args.repeat):
         for name, side in sides.items():
             res = results[name]
-            res.setdefault("decode", []).append(side.decode(decode_prompt, args.decode_tokens))
+            res.setdefault("decode", []).append(side.decode(decode_prompt(), args.decode_tokens))
             if name == "sudu":
                 bandwidths.append(measure_bandwidth_gbs(threads=args.threads))
-            res.setdefault("prompt", []).append(side.prompt(long_prompt(tok, args.prompt_tokens, salt=r)))
+            res.setdefault("prompt", []).append(side.prompt(long_prompt(tok, args.prompt_tokens)))
             for b in batches:
                 res.setdefault(f"batch {b}", []).append(side.batch(batch_prompts(tok, b), args.batch_tokens))
             for c in contexts:
-                res.setdefault(f"decode @{c}", []).append(side.decode(long_prompt(tok, c, salt=100 + r),
+                res.setdefault(f"decode @{c}", []).append(side.decode(long_prompt(tok, c),
                                                                       args.decode_tokens))
             print(f"repeat {r + 1}/{args.repeat} {name}: " +
                   ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()), flush=True)

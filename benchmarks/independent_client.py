@@ -1,0 +1,58 @@
+"""A minimal streaming client that shares no code with sudu bench, to check its decode speed against:
+per request, (last content chunk - first content chunk) / (usage.completion_tokens - 1), over
+sequential cold requests (a fresh salt in the system message), median over the requests.
+
+    python benchmarks/independent_client.py http://127.0.0.1:8000/v1 MODEL [-n 10] [--max-tokens 128]
+"""
+import argparse
+import json
+import statistics
+import time
+import uuid
+
+import httpx
+
+
+def one_request(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int) -> float | None:
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": uuid.uuid4().hex}, {"role": "user", "content": prompt}]}
+    first = last = None
+    tokens = None
+    with client.stream("POST", f"{base}/chat/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:])
+            now = time.perf_counter()
+            if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
+                first = first or now
+                last = now
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    if first is None or not tokens or tokens < 2 or last == first:
+        return None
+    return (tokens - 1) / (last - first)
+
+
+def decode_speeds(base: str, model: str, prompts: list[str], max_tokens: int) -> list[float]:
+    with httpx.Client(timeout=600) as client:
+        one_request(client, base, model, prompts[0], 8)  # warm-up
+        speeds = [one_request(client, base, model, p, max_tokens) for p in prompts]
+    return [s for s in speeds if s is not None]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("base")
+    parser.add_argument("model")
+    parser.add_argument("-n", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    prompts = [f"Write a Python function number {i} that does something useful, with tests." for i in range(args.n)]
+    speeds = decode_speeds(args.base, args.model, prompts, args.max_tokens)
+    print(f"median decode speed {statistics.median(speeds):.2f} tok/s over {len(speeds)} requests")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""sudu serve vs llama.cpp's own llama-server, both measured by `sudu bench` over HTTP, one server at a
+time on the same GGUF and thread count, every prompt cold (sudu bench's salt), outputs of fixed length
+(--ignore-eos): single (one stream, varied chat and coding turns), throughput at 1, 8 and 32 streams,
+and the cache suite (cold vs warm vs shared-prefix TTFT). Prints a table of sudu / llama-server ratios
+with their bootstrap 95% CIs (from `sudu bench compare`), and, as a check on the measuring client,
+sudu bench's decode speed next to an independent minimal client's (benchmarks/independent_client.py)
+on each server.
+
+    python benchmarks/llama_server.py --build          # once: llama-server with AVX-512, without AMX
+    python benchmarks/vs_llama_server.py [--model qwen2.5-coder-0.5b-instruct] [--threads 2] [--out DIR]
+
+Reports of every run stay in --out (JSON, Markdown) for `sudu bench compare`.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import independent_client  # noqa: E402
+import llama_server  # noqa: E402
+
+from sudu.bench import compare  # noqa: E402
+from sudu.bench.local_server import free_port, stop_server, wait_for_health  # noqa: E402
+from sudu.bench.workloads import CHAT_CODE_PROMPTS  # noqa: E402
+
+MODEL = "qwen2.5-coder-0.5b-instruct"
+SLOTS = 32
+
+
+def runs(args) -> list[tuple[str, list[str]]]:
+    """(name, sudu bench arguments) of every measured run."""
+    common = ["--ignore-eos", "--no-html", "--no-progress", "--warmup", "2"]
+    out = [("single", ["single", "-n", str(args.n_single), "--max-tokens", str(args.max_tokens)] + common)]
+    for streams, n in ((1, args.n_single), (8, 3 * 8), (32, 2 * 32)):
+        out.append((f"throughput c={streams}", ["throughput", "--concurrency", str(streams), "-n", str(n),
+                                                "--output-len", str(args.max_tokens), "--input-words", "128"] + common))
+    out.append(("cache", ["cache", "--lengths", "512", "-n", "4", "--max-tokens", "8", "--no-html", "--no-progress"]))
+    return out
+
+
+def start(name: str, cmd: list[str], port: int, log_dir: str) -> subprocess.Popen:
+    log = os.path.join(log_dir, f"{name}-{port}.log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    ready = wait_for_health(proc, f"http://127.0.0.1:{port}", 900, log)
+    print(f"{name} ready after {ready:.1f} s", flush=True)
+    return proc
+
+
+def measure(side: str, url: str, model: str, args) -> dict:
+    reports = {}
+    for name, bench_args in runs(args):
+        out = os.path.join(args.out, side, name.replace(" ", "-").replace("=", ""))
+        subprocess.run([sys.executable, "-m", "sudu.cli", "bench", *bench_args, "--url", url, "--model", model,
+                        "--out", out], check=True, stdout=subprocess.DEVNULL)
+        reports[name] = compare.load(sorted(glob.glob(os.path.join(out, "*.json")))[-1])
+        print(f"  {side}: {name} done", flush=True)
+    prompts = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(args.n_single)]
+    reports["independent"] = independent_client.decode_speeds(url, model, prompts, args.max_tokens)
+    return reports
+
+
+def fmt_ratio(row: dict | None) -> str:
+    if row is None or row["ratio"] is None:
+        return "-"
+    ci = f" [{row['ci_low']:.2f}, {row['ci_high']:.2f}]" if row["ci_low"] is not None else f" ({row['verdict']})"
+    return f"{row['ratio']:.2f}x{ci}"
+
+
+# per run: the figures shown (metric, label, scale)
+SHOWN = {
+    "single": [("output_speed_tok_s", "per-request output speed tok/s (mean)", 1), ("ttft_s", "TTFT ms (mean)", 1e3)],
+    "cache": [("ttft_s", "TTFT ms (mean)", 1e3)],
+}
+THROUGHPUT = [("throughput_tok_s", "output tok/s (mean of 1-s bins)", 1), ("ttft_s", "TTFT ms (mean)", 1e3)]
+
+
+def table(sudu: dict, peer: dict) -> str:
+    lines = ["| run | figure | sudu serve | llama-server | sudu / llama-server, 95% CI |", "|---|---|---:|---:|---:|"]
+    for name in (n for n in sudu if n != "independent"):
+        rows, _ = compare.compare(peer[name], sudu[name])  # A = llama-server, B = sudu: B/A = sudu / peer
+        for metric, label, scale in SHOWN.get(name, THROUGHPUT):
+            for r in (r for r in rows if r["metric"] == metric):
+                lines.append(f"| {name} | {r['group']}: {label} | {r['mean_b'] * scale:.1f} | "
+                             f"{r['mean_a'] * scale:.1f} | {fmt_ratio(r)} |")
+        if name.startswith("throughput"):
+            s, p = (rep[name]["groups"][0]["throughput"]["mean_tok_s"] for rep in (sudu, peer))
+            lines.append(f"| {name} | output tok/s (tokens / window) | {s:.1f} | {p:.1f} | {s / p:.2f}x |")
+    return "\n".join(lines)
+
+
+def client_check(reports: dict) -> str:
+    bench = reports["single"]["groups"][0]["metrics"]["output_speed_tok_s"]["median"]
+    independent = statistics.median(reports["independent"])
+    return f"sudu bench {bench:.2f} tok/s, independent client {independent:.2f} tok/s ({bench / independent - 1:+.1%})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--n-single", type=int, default=12, help="requests of single and of throughput c=1")
+    parser.add_argument("--out", default="bench-results/vs-llama-server")
+    parser.add_argument("--llama-dir", default=llama_server.DEFAULT_DIR)
+    args = parser.parse_args()
+    binary = llama_server.require(args.llama_dir)
+    from sudu.weights.catalog import resolve_model_path
+
+    gguf = str(resolve_model_path(args.model))
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    sides = {
+        "sudu": lambda port: [sys.executable, "-m", "sudu.cli", "serve", "--model", args.model, "--port", str(port),
+                              "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS)],
+        "llama-server": lambda port: [binary, "-m", gguf, "--alias", args.model, "--port", str(port), "--host",
+                                      "127.0.0.1", "-t", str(args.threads), "-np", str(SLOTS), "-c",
+                                      str(SLOTS * 512)],
+    }
+    for side, command in sides.items():
+        port = free_port()
+        proc = start(side, command(port), port, args.out)
+        try:
+            t0 = time.perf_counter()
+            results[side] = measure(side, f"http://127.0.0.1:{port}/v1", args.model, args)
+            print(f"{side}: measured in {time.perf_counter() - t0:.0f} s", flush=True)
+        finally:
+            stop_server(proc)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"independent": {s: results[s]["independent"] for s in results}}, f)
+    print(f"\n{args.model}, {args.threads} threads, {SLOTS} slots each, cold prompts, --ignore-eos, "
+          f"max_tokens {args.max_tokens}\n")
+    print(table(results["sudu"], results["llama-server"]))
+    print("\nmeasuring client vs an independent minimal client (per-request decode speed, median):")
+    for side in sides:
+        print(f"  {side}: {client_check(results[side])}")
+
+
+if __name__ == "__main__":
+    main()
