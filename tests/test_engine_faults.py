@@ -151,6 +151,37 @@ def test_async_engine_that_cannot_continue_fails_every_stream(tiny_model_dirs, m
     asyncio.run(scenario())
 
 
+def test_a_step_that_never_returns_fails_the_engine(tiny_model_dirs, monkeypatch):
+    """A hung step (a kernel that never returns, a deadlock) is an engine failure after stall_timeout_s:
+    the clients get EngineFailedError instead of waiting forever."""
+    import threading
+
+    from sudu.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig(model=str(tiny_model_dirs["qwen2"]), kv_cache_memory=8 << 20)
+    engine = AsyncLLMEngine(config, progress=False, stall_timeout_s=1.0)
+    release = threading.Event()
+    step = engine.engine.step
+
+    def hung_step():
+        release.wait(60)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", hung_step)
+
+    async def scenario():
+        await engine.start()
+        params = SamplingParams(max_tokens=4, **GREEDY)
+        with pytest.raises(EngineFailedError, match="no progress"):
+            async for _ in engine.generate("hung", engine.check_request(PROMPTS[0], params)):
+                pass
+        assert "no progress" in await asyncio.wait_for(engine.wait_failed(), 5)
+        release.set()
+        await engine.shutdown(1)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
 def test_sudu_serve_exits_non_zero_when_the_engine_fails(tiny_model_dirs):
     from sudu.bench.local_server import free_port
 

@@ -39,7 +39,7 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, max_queue_len: int = 256, progress: bool = True,
-                 engine: LLMEngine | None = None):
+                 engine: LLMEngine | None = None, stall_timeout_s: float = 300.0):
         self.engine = engine or LLMEngine(config, progress=progress)
         self.config = config
         self.tokenizer = self.engine.tokenizer
@@ -57,6 +57,10 @@ class AsyncLLMEngine:
         self.failure: str | None = None  # why the engine cannot continue, once it cannot
         self._failed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # a step that has not returned after stall_timeout_s (a hung kernel, a deadlock) is a failure
+        # too: nobody would ever be answered otherwise
+        self.stall_timeout_s = stall_timeout_s
+        self._step_started_at: float | None = None  # time.monotonic() while a step runs
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -65,6 +69,7 @@ class AsyncLLMEngine:
             self._failed = asyncio.Event()
             self._thread = threading.Thread(target=self._run, name="sudu-engine", daemon=True)
             self._thread.start()
+            threading.Thread(target=self._watch_steps, name="sudu-engine-watchdog", daemon=True).start()
 
     async def wait_failed(self) -> str:
         """Return (with the reason) once the engine cannot continue; never, while it can."""
@@ -179,15 +184,31 @@ class AsyncLLMEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            for out in eng.step():
+            self._step_started_at = time.monotonic()
+            outputs = eng.step()
+            self._step_started_at = None
+            if self._stopping:  # failed by the watchdog meanwhile: nobody is waiting for these
+                return
+            for out in outputs:
                 self._deliver(out.request_id, out)
             self._stats = eng.stats()
 
+    def _watch_steps(self) -> None:
+        while not self._stopping:
+            started = self._step_started_at
+            if started is not None and time.monotonic() - started > self.stall_timeout_s:
+                self._fail(TimeoutError(f"an engine step made no progress for {self.stall_timeout_s:.0f} s"))
+                return
+            time.sleep(min(1.0, self.stall_timeout_s / 4))
+
     def _fail(self, exc: BaseException) -> None:
-        log.critical("the engine cannot continue; failing every request in flight", exc_info=exc)
         with self._streams_lock:
+            if self.failure is not None:  # the watchdog and the engine thread may both get here
+                return
+            log.critical("the engine cannot continue; failing every request in flight", exc_info=exc)
             self.failure = f"{type(exc).__name__}: {exc}"
             self._accepting = False
+            self._stopping = True
             streams = list(self._streams.values())
             self._streams.clear()
         error = EngineFailedError(f"the engine failed: {self.failure}")

@@ -32,6 +32,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are failed "
                    "(default: 30)")
+    p.add_argument("--engine-stall-timeout", type=float, default=300.0,
+                   help="seconds one engine step may take before the engine counts as failed (503, exit 1; "
+                   "default: 300)")
     p.add_argument("--max-request-bytes", type=int, default=ServerLimits.max_request_bytes,
                    help="larger request bodies get 413 before they are read (default: 4 MiB)")
     p.add_argument("--prepare-workers", type=int, default=ServerLimits.prepare_workers,
@@ -61,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     def load_engine():
         from sudu.engine.async_engine import AsyncLLMEngine
 
-        return AsyncLLMEngine(config, max_queue_len=args.max_queue_len)
+        return AsyncLLMEngine(config, max_queue_len=args.max_queue_len, stall_timeout_s=args.engine_stall_timeout)
 
     def on_load_error(exc: BaseException) -> None:
         load_failure.append(exc)
