@@ -18,8 +18,7 @@ class KVBlockIO:
         self.block_size = block_size
         # per layer: a [num_blocks, block bytes] byte view of K and of V (pools are contiguous [slots, H, D])
         self.views = [(self._blocks(c.k), self._blocks(c.v)) for c in kv_caches]
-        self.layer_bytes = [k.shape[1] for k, _ in self.views]
-        self.nbytes = 2 * sum(self.layer_bytes)
+        self.nbytes = sum(k.shape[1] + v.shape[1] for k, v in self.views)  # K and V may differ in width (MLA)
 
     def _blocks(self, pool: torch.Tensor) -> torch.Tensor:
         return pool.view(pool.shape[0] // self.block_size, -1).view(torch.uint8)
