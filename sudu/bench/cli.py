@@ -50,6 +50,8 @@ def register_cli(subparsers) -> None:
     _common(p)
     p.add_argument("-n", "--num-requests", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt", default=None, help="send this one prompt every time instead of the varied "
+                   "coding and chat set (e.g. to reproduce one answer)")
     p.add_argument("--self-test", action="store_true",
                    help="first measure the client's own overhead against an instant local fake server")
     p.set_defaults(func=cmd_suite)
@@ -281,7 +283,7 @@ async def run_suite(args, run) -> None:
                              count_tokens=count_tokens, extra_body=extra, on_done=on_done)
             run.notes.append(await suites.probe_chunk_usage(ctx, args.chunk_usage))
             if args.suite == "single":
-                await suites.run_single(ctx, args.num_requests, args.warmup, args.max_tokens)
+                await suites.run_single(ctx, args.num_requests, args.warmup, args.max_tokens, args.prompt)
             elif args.suite == "throughput":
                 levels = suites.throughput_levels(args.concurrency_levels, args.rates, args.max_concurrency)
                 await suites.run_throughput(ctx, levels, args.num_requests, args.warmup, args.input_words,

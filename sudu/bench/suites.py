@@ -122,12 +122,12 @@ async def warmup(ctx: Ctx, n: int, max_tokens: int = 16) -> None:
         await send(ctx, "warmup", "cold", make_messages("cold", SHORT_QUESTION), max_tokens, warmup=True)
 
 
-async def run_single(ctx: Ctx, n: int, warmups: int, max_tokens: int) -> None:
-    """One chat turn at a time, cold, cycling through CHAT_CODE_PROMPTS."""
+async def run_single(ctx: Ctx, n: int, warmups: int, max_tokens: int, prompt: str | None = None) -> None:
+    """One chat turn at a time, cold, cycling through CHAT_CODE_PROMPTS (or `prompt` every time)."""
     await warmup(ctx, warmups)
-    used = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(n)]
+    used = [prompt or CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(n)]
     ctx.run.groups.append(Group("single", "cold", {"max_tokens": max_tokens,
-                                                   "prompt_set": prompt_set_id("chat-code", used),
+                                                   "prompt_set": prompt_set_id("custom" if prompt else "chat-code", used),
                                                    "prompt_lengths": length_summary(used)}))
     for text in used:
         await send(ctx, "single", "cold", make_messages("cold", text), max_tokens)
