@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import re
 import os
 import signal
 import subprocess
@@ -366,3 +367,58 @@ def test_gemma_prefix_cache_in_the_default_layout_is_exact_and_bounded(tiny_mode
     assert [results[f"g{i}"] for i in range(3)] == [reference_greedy(hf, p, 10) for p in prompts]
     assert peak <= bm.sliding.ring_blocks
     assert bm.sliding.pool.num_free == bm.sliding.num_blocks
+
+
+# ---- the server across a restart ----------------------------------------------------------------------
+
+def _serve(model_dir, port, cache_dir):
+    from sudu.bench.local_server import wait_for_health
+
+    cmd = [sys.executable, "-m", "sudu.cli", "serve", str(model_dir), "--port", str(port), "--max-model-len", "1024",
+           "--disk-cache-dir", str(cache_dir), "--served-model-name", "m", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=os.getcwd()), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_for_health(proc, f"http://127.0.0.1:{port}", 300)
+    return proc
+
+
+def test_a_conversation_continues_from_disk_after_a_restart(tiny_model_dirs, tmp_path):
+    """serve (the disk tier is on by default), two turns, SIGTERM, serve again, a third turn: its cached
+    tokens cover the earlier turns, loaded from disk, as usage, the timing extension and /metrics say."""
+    import httpx
+
+    from sudu.bench.local_server import free_port, stop_server
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    messages = [{"role": "system", "content": "You are a coding agent. " * 8},
+                {"role": "user", "content": "Read the file and fix the failing test. " * 4}]
+
+    def turn(client):
+        r = client.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 8,
+                                                             "temperature": 0})
+        r.raise_for_status()
+        body = r.json()
+        messages.extend([{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "Tool result (run_tests): 1 failed, 12 passed. " * 3}])
+        return body
+
+    proc = _serve(tiny_model_dirs["qwen2"], port, tmp_path)
+    try:
+        with httpx.Client(timeout=120) as client:
+            turn(client)
+            second = turn(client)
+        stop_server(proc)
+        proc = _serve(tiny_model_dirs["qwen2"], port, tmp_path)
+        with httpx.Client(timeout=120) as client:
+            third = turn(client)
+            metrics = client.get(f"{url}/metrics").text
+    finally:
+        stop_server(proc)
+    usage, timing = third["usage"], third["sudu"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= second["usage"]["prompt_tokens"] - 16
+    assert usage["prompt_cache_hit_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert timing["cached_tokens_disk"] == timing["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert timing["disk_load_s"] > 0
+    hits = re.search(r'^sudu:prefix_cache_tier_hits_total\{tier="disk"\} (\S+)$', metrics, re.M)
+    assert float(hits.group(1)) == timing["cached_tokens_disk"]

@@ -131,7 +131,9 @@ class SuduTiming(BaseModel):
     prefill_s: float = Field(description="First scheduled -> first token.")
     decode_s: float = Field(description="First token -> finished.")
     ttft_s: float = Field(description="Arrival in the engine -> first token.")
-    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache (RAM and disk).")
+    cached_tokens_disk: int = Field(0, description="Of cached_tokens, loaded from the context cache's disk tier.")
+    disk_load_s: float = Field(0.0, description="Seconds spent loading (and checking) those blocks from disk.")
 
 
 class TopLogprob(BaseModel):

@@ -42,7 +42,8 @@ def timing_body(out: RequestOutput, now: float) -> dict:
         decode_s = now - m.first_token_time
     ttft_s = (m.first_token_time - m.arrival_time) if m.first_token_time is not None else 0.0
     timing = {"queue_s": round(m.queue_s, 6), "prefill_s": round(m.prefill_s, 6), "decode_s": round(decode_s, 6),
-              "ttft_s": round(ttft_s, 6), "cached_tokens": out.num_cached_tokens}
+              "ttft_s": round(ttft_s, 6), "cached_tokens": out.num_cached_tokens,
+              "cached_tokens_disk": out.num_cached_tokens_disk, "disk_load_s": round(m.disk_load_s, 6)}
     if m.num_spec_steps:  # speculative decoding ran for this request
         timing.update(num_draft_tokens=m.num_draft_tokens, num_accepted_tokens=m.num_accepted_tokens,
                       acceptance_rate=round(m.acceptance_rate, 4), mean_accepted_len=round(m.mean_accepted_len, 4))
@@ -54,7 +55,8 @@ def _merge_timings(timings: list[dict]) -> dict:
     if len(timings) == 1:
         return timings[0]
     merged = {k: max(t[k] for t in timings) for k in _PHASES}
-    merged["cached_tokens"] = sum(t["cached_tokens"] for t in timings)
+    for key in ("cached_tokens", "cached_tokens_disk", "disk_load_s"):
+        merged[key] = sum(t.get(key, 0) for t in timings)
     drafted = sum(t.get("num_draft_tokens", 0) for t in timings)
     if drafted:
         accepted = sum(t.get("num_accepted_tokens", 0) for t in timings)
