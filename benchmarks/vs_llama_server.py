@@ -39,10 +39,10 @@ def runs(args) -> list[tuple[str, list[str]]]:
     """(name, sudu bench arguments) of every measured run."""
     common = ["--ignore-eos", "--no-html", "--no-progress", "--warmup", "2"]
     out = [("single", ["single", "-n", str(args.n_single), "--max-tokens", str(args.max_tokens)] + common)]
-    for streams, n in ((1, args.n_single), (8, 3 * 8), (32, 2 * 32)):
+    for streams, n in ((1, args.n_single), (8, 2 * 8), (32, 32)):
         out.append((f"throughput c={streams}", ["throughput", "--concurrency", str(streams), "-n", str(n),
                                                 "--output-len", str(args.max_tokens), "--input-words", "128"] + common))
-    out.append(("cache", ["cache", "--lengths", "512", "-n", "4", "--max-tokens", "8", "--no-html", "--no-progress"]))
+    out.append(("cache", ["cache", "--lengths", "512", "-n", "10", "--max-tokens", "8", "--no-html", "--no-progress"]))
     return out
 
 
@@ -61,7 +61,7 @@ def measure(side: str, url: str, model: str, args) -> dict:
     for name, bench_args in runs(args):
         out = os.path.join(args.out, side, name.replace(" ", "-").replace("=", ""))
         subprocess.run([sys.executable, "-m", "sudu.cli", "bench", *bench_args, "--url", url, "--model", model,
-                        "--out", out], check=True, stdout=subprocess.DEVNULL)
+                        "--out", out], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         reports[name] = compare.load(sorted(glob.glob(os.path.join(out, "*.json")))[-1])
         print(f"  {side}: {name} done", flush=True)
     prompts = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(args.n_single)]
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--n-single", type=int, default=12, help="requests of single and of throughput c=1")
+    parser.add_argument("--n-single", type=int, default=10, help="requests of single and of throughput c=1")
     parser.add_argument("--out", default="bench-results/vs-llama-server")
     parser.add_argument("--llama-dir", default=llama_server.DEFAULT_DIR)
     args = parser.parse_args()
