@@ -6,8 +6,9 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import re
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,9 @@ def test_namespace_names_everything_that_changes_kv_bytes(tiny_model_dirs, tmp_p
 
     base = ns()
     assert ns() == base
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tiny_model_dirs["qwen2"], moved)
+    assert ns(str(moved)) == base  # the same weights at another path (another machine's layout)
     other_weights = save_tiny_model(tmp_path / "qwen2-seed1", "qwen2", seed=1)
     changed = [ns(block_size=32), ns(kv_cache_dtype="int8"), ns(quantization="int8"), ns(str(other_weights)),
                ns("llama")]
