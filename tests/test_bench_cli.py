@@ -14,7 +14,7 @@ from sudu.bench import cli as bench_cli
 from sudu.bench import compare, local_server, suites, tokens
 from sudu.bench.fake_server import FakeServer, chat_script
 from sudu.errors import SuduError
-from tests.test_bench_tasks import GOOD_ASYNC, GOOD_PALINDROME, GOOD_SQL, GOOD_SVG
+from tests.test_bench_tasks import GOOD_ASYNC, GOOD_PALINDROME, GOOD_SQL, GOOD_SVG, needs_sandbox
 
 
 def run_cli(argv):
@@ -149,6 +149,7 @@ def test_cache_contradiction_flagged(tmp_path):
     assert len(rep["flags"]) == 2 and "declared cold but 384 cached tokens" in rep["flags"][0]
 
 
+@needs_sandbox
 def test_tasks_are_checked_and_every_call_counted(server, tmp_path):
     run_cli(["tasks", "--url", server.url, "--out", str(tmp_path), "--context-len", "1024", "--no-html"])
     _, rep = _report(tmp_path, "tasks")
@@ -305,6 +306,7 @@ def test_code_tasks_refused_for_remote_endpoints_and_without_sandbox(tmp_path, m
     from sudu.bench.tasks import sandbox
 
     argv = ["tasks", "--url", "http://10.1.2.3:8000", "--model", "m", "--out", str(tmp_path)]
+    monkeypatch.setattr(sandbox, "sandbox_problem", lambda: None)  # the remote check, with or without bwrap here
     with pytest.raises(SuduError, match="not a loopback address.*--allow-remote-code"):
         run_cli(argv + ["--tasks", "palindrome,sql"])
     for tasks, allow in ((["sql"], False), (["palindrome", "sql"], True)):  # no code tasks, or the flag: accepted

@@ -11,10 +11,7 @@ import pytest
 
 from sudu.bench.tasks import build_task
 from sudu.bench.tasks import sandbox
-from tests.test_bench_tasks import GOOD_PALINDROME
-
-needs_sandbox = pytest.mark.skipif(sandbox.sandbox_problem() is not None,
-                                   reason=f"no sandbox here: {sandbox.sandbox_problem()} (.ci/run installs bubblewrap)")
+from tests.test_bench_tasks import GOOD_PALINDROME, needs_sandbox
 
 GOOD_CODE = GOOD_PALINDROME.split("```python\n")[1].split("```")[0]
 
