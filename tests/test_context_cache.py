@@ -114,6 +114,22 @@ def test_disk_hit_computes_what_a_ram_hit_and_no_cache_compute(tiny_model_dirs, 
     assert stats["disk_cache_hits"] == 15 and stats["prefix_cache_hits_disk"] == 240
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3moe"])
+def test_disk_hit_on_latent_and_expert_models(tmp_path, arch):
+    """The disk tier carries any pool layout: DeepSeek's latent entries (V wider than K) and a MoE model."""
+    from tests.tiny_models import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / arch, arch)
+    prompts = prompts_of([40, 70], seed=18)
+    uncached = LLM(str(model_dir), progress=False, enable_prefix_caching=False).generate(prompts, PARAMS)
+    first = disk_llm(model_dir, tmp_path / "kv")
+    first.generate(prompts, PARAMS)
+    first.close()
+    disk = disk_llm(model_dir, tmp_path / "kv").generate(prompts, PARAMS)
+    assert [r.num_cached_tokens_disk for r in disk] == [32, 64]
+    assert [r.token_ids for r in disk] == [r.token_ids for r in uncached]
+
+
 def test_ram_misses_continue_on_disk_after_eviction(tiny_model_dirs, tmp_path):
     """A pool too small to keep earlier prompts: their blocks come back from disk, not recomputation."""
     llm = disk_llm(tiny_model_dirs["qwen2"], tmp_path, kv_cache_memory=24 * 16 * 512)  # 24 blocks
