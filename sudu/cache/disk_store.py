@@ -247,6 +247,11 @@ class DiskKVStore:
         with self._lock:
             return block_hash.hex() in self._index
 
+    def block_ids(self) -> list[bytes]:
+        """Ids of this namespace's blocks known to be on disk (what a replica reports to the router)."""
+        with self._lock:
+            return [bytes.fromhex(h) for h, e in self._index.items() if e.namespace == self.ns_hex]
+
     def put(self, block_hash: bytes, parent: bytes, token_ids, payload) -> bool:
         """Queue a block for writing (payload: a uint8 tensor that the store now owns). False: dropped,
         because the writer is behind or the block is already on disk."""

@@ -375,6 +375,12 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
+    def cached_block_ids(self) -> list[bytes]:
+        """Ids of every block a prefix lookup can find now, RAM and disk tiers together (a replica's cache
+        summary for the router). Safe from another thread: tuple() copies the dict in one step."""
+        ram = tuple(self.pool.cached)
+        return list(ram) + (self.disk.block_ids() if self.disk is not None else [])
+
     # ---- the disk tier's upkeep -------------------------------------------------------------------------
     def disk_stats(self) -> dict:
         """The disk tier's counters under /metrics names (zeros without one)."""

@@ -76,3 +76,6 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens_disk: int = 0  # of those, loaded from the disk tier
     error: str | None = None  # set when the engine failed this request (the output is then finished)
+    # set by a cluster ingress (sudu/cluster/) on a request's first output: the replica that serves it and
+    # the router's predicted prefix hit; the server adds it to the `sudu` extension
+    route: dict | None = None

@@ -43,6 +43,9 @@ def register_cli(subparsers) -> None:
                    help="requests waiting for such a thread before new ones get 429 (default: 64)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
+    from sudu.cluster.serve import add_cluster_args  # imports no Ray: that happens when --replicas runs
+
+    add_cluster_args(p)
     p.set_defaults(disk_cache_size="auto")  # a server keeps its context cache on disk; tests and the API opt in
     p.set_defaults(func=run_serve)
 
@@ -60,9 +63,17 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue-len must be >= 1")
     api_key = args.api_key or os.environ.get("SUDU_API_KEY") or None
     load_failure: list[BaseException] = []
+    cluster = None
+    if args.replicas is not None:  # replicas on Ray Serve: sudu/cluster/
+        from sudu.cluster.serve import Cluster
+
+        cluster = Cluster(args, config)
 
     def load_engine():
         from sudu.engine.async_engine import AsyncLLMEngine
+
+        if cluster is not None:
+            return cluster.load()
 
         return AsyncLLMEngine(config, max_queue_len=args.max_queue_len, stall_timeout_s=args.engine_stall_timeout)
 
@@ -81,10 +92,16 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(load_engine=load_engine, served_model_name=args.served_model_name, api_key=api_key,
                     shutdown_timeout_s=args.shutdown_timeout, limits=limits, on_load_error=on_load_error,
                     on_engine_failure=on_engine_failure)
+    if cluster is not None:
+        cluster.install_health(app)
     server = make_server(app, args.host, args.port, log_level=args.log_level)
     print(f"sudu: serving on http://{args.host}:{args.port} (loading {config.model}; /health is 503 until ready)",
           flush=True)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if cluster is not None:
+            cluster.stop()
     if load_failure:
         raise load_failure[0]
     if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):

@@ -44,6 +44,8 @@ def timing_body(out: RequestOutput, now: float) -> dict:
     timing = {"queue_s": round(m.queue_s, 6), "prefill_s": round(m.prefill_s, 6), "decode_s": round(decode_s, 6),
               "ttft_s": round(ttft_s, 6), "cached_tokens": out.num_cached_tokens,
               "cached_tokens_disk": out.num_cached_tokens_disk, "disk_load_s": round(m.disk_load_s, 6)}
+    if out.route:  # served through the cluster ingress: which replica, and the router's prediction
+        timing.update(out.route)
     if m.num_spec_steps:  # speculative decoding ran for this request
         timing.update(num_draft_tokens=m.num_draft_tokens, num_accepted_tokens=m.num_accepted_tokens,
                       acceptance_rate=round(m.acceptance_rate, 4), mean_accepted_len=round(m.mean_accepted_len, 4))
@@ -185,7 +187,10 @@ class Call:
         timing = self.timing()
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(), "sudu": timing}
-        return JSONResponse(body, headers={"Server-Timing": _server_timing(timing)})
+        headers = {"Server-Timing": _server_timing(timing)}
+        if "replica" in timing:
+            headers["X-Sudu-Route"] = f"replica={timing['replica']}; predicted_cached_tokens={timing['predicted_cached_tokens']}"
+        return JSONResponse(body, headers=headers)
 
     async def chat_response(self) -> JSONResponse:
         texts, entries = await self._collect()

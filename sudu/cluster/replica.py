@@ -1,0 +1,62 @@
+"""EngineReplica: the Ray Serve deployment class, one AsyncLLMEngine per replica.
+
+`generate` streams the engine's RequestOutputs back through the DeploymentHandle (a cancelled call
+aborts the engine request, so its KV blocks return to the pool). `record_routing_stats` is Serve's
+routing-stats hook: the replica's cache summary for the router (cache_view.py) and its engine stats
+for the ingress's /metrics. `check_health` fails once the engine cannot continue, and Serve replaces
+the replica."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from ray import serve
+
+from sudu.cluster.cache_view import summarize
+from sudu.config import EngineConfig
+from sudu.engine.outputs import RequestOutput
+from sudu.engine.request import CheckedRequest
+
+
+class EngineReplica:
+    def __init__(self, config: EngineConfig, max_queue_len: int, stall_timeout_s: float):
+        from sudu.engine.async_engine import AsyncLLMEngine
+
+        self.engine = AsyncLLMEngine(config, max_queue_len=max_queue_len, progress=False,
+                                     stall_timeout_s=stall_timeout_s)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._start_lock = asyncio.Lock()
+        self._started = False
+        self._summary: tuple[frozenset, int, bytes] = (frozenset(), 0, summarize(()))
+
+    async def _ensure_started(self) -> None:
+        async with self._start_lock:
+            if not self._started:
+                await self.engine.start()
+                self._started = True
+
+    def describe(self) -> dict:
+        """What the ingress needs to admit requests as the engine would (see engine.py)."""
+        eng = self.engine.engine
+        return {"model_name": self.engine.model_name, "max_model_len": eng.max_model_len,
+                "vocab_size": eng.model_config.vocab_size, "pool_tokens": eng.runner.num_blocks * eng.config.block_size,
+                "tokenizer": eng.tokenizer}
+
+    async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        await self._ensure_started()
+        async for out in self.engine.generate(request_id, request, priority):
+            yield out
+
+    def record_routing_stats(self) -> dict:
+        ids = frozenset(self.engine.engine.block_manager.cached_block_ids())
+        seen, version, summary = self._summary
+        if ids != seen:
+            self._summary = seen, version, summary = ids, version + 1, summarize(ids)
+        bm = self.engine.engine.block_manager
+        return {"cache_version": version, "cache_ids": summary, "namespace": bm.namespace.hex(),
+                "block_size": bm.block_size, "stats": self.engine.stats()}
+
+    def check_health(self) -> None:
+        if self.engine.failure is not None:
+            raise RuntimeError(f"the engine failed: {self.engine.failure}")

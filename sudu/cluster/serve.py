@@ -1,0 +1,139 @@
+"""`sudu serve --replicas N`: Ray (a local instance, or the cluster at --ray-address), the engine
+deployment with its router, and the ingress app's engine (ClusterEngine) and /health.
+
+The ingress is the `sudu serve` process itself: the same app, uvicorn server, drain and flags as a
+single engine; only the engine behind the app differs. Serve's own HTTP proxy is not started."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from sudu.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "sudu"
+DEPLOYMENT_NAME = "engine"
+ROUTING_STATS_PERIOD_S = 1.0  # how often each replica reports its cache summary to the router
+HEALTH_TIMEOUT_S = 5.0
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'sudu[ray]'; docs/cluster.md)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="serve with N engine replicas on Ray Serve (default: one engine in this process, no Ray)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379, or 'auto'); default: start a local Ray "
+                   "instance and stop it with the server")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs reserved per replica; also its torch threads unless --num-threads is set "
+                   "(default: this machine's cores / replicas)")
+    g.add_argument("--routing", choices=["cache_aware", "round_robin"], default="cache_aware",
+                   help="cache_aware: the replica with the longest cached prefix, unless it is overloaded "
+                   "(default); round_robin: ignore caches")
+    g.add_argument("--routing-imbalance", type=int, default=4,
+                   help="the load guard: when the best-cached replica has more than this many requests in "
+                   "flight beyond the least loaded one, the least loaded gets the request (default: 4)")
+
+
+class Cluster:
+    """The Ray side of one `sudu serve --replicas N`: Ray joined or started when it is made, the
+    deployment started by `load` (in the app's loading thread, so /health answers 503 while replicas
+    load), all stopped by `stop`."""
+
+    def __init__(self, args: argparse.Namespace, config: EngineConfig):
+        if args.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        self.args = args
+        cpus = args.replica_cpus or max(1.0, float((os.cpu_count() or 1) // args.replicas))
+        self.replica_cpus = cpus
+        self.config = dataclasses.replace(config, num_threads=config.num_threads or max(1, int(cpus)))
+        self.started_ray = False
+        self.engine = None
+        self._init_ray()
+
+    def _init_ray(self) -> None:
+        """Here, in the thread that runs the server: a local Ray instance's processes are started with
+        a parent-death signal tied to the starting thread, so starting them in the short-lived loading
+        thread would kill them when it ends."""
+        import ray
+
+        if ray.is_initialized():
+            return
+        if self.args.ray_address:
+            ray.init(address=self.args.ray_address, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(self.args.replicas * self.replica_cpus)),
+                     include_dashboard=False, log_to_driver=False)
+            self.started_ray = True
+
+    def load(self):
+        from ray import serve
+        from ray.serve.config import RequestRouterConfig
+
+        from sudu.cluster.engine import ClusterEngine
+        from sudu.cluster.replica import EngineReplica
+
+        args = self.args
+        serve.start(proxy_location="Disabled")
+        max_ongoing = self.config.max_num_seqs + args.max_queue_len
+        deployment = serve.deployment(EngineReplica).options(
+            name=DEPLOYMENT_NAME, num_replicas=args.replicas, max_ongoing_requests=max_ongoing,
+            ray_actor_options={"num_cpus": self.replica_cpus},
+            health_check_period_s=2.0, health_check_timeout_s=max(30.0, args.engine_stall_timeout),
+            graceful_shutdown_timeout_s=args.shutdown_timeout,
+            request_router_config=RequestRouterConfig(
+                request_router_class="sudu.cluster.router.CacheAwareRouter",
+                request_router_kwargs={"policy": args.routing, "imbalance_threshold": args.routing_imbalance},
+                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
+        )
+        serve.run(deployment.bind(self.config, args.max_queue_len, args.engine_stall_timeout),
+                  name=APP_NAME, route_prefix=None)
+        handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+        info = handle.describe.remote().result(timeout_s=60)
+        self.engine = ClusterEngine(APP_NAME, handle, info, self.config.block_size, args.replicas,
+                                    max_in_flight=args.replicas * max_ongoing)
+        log.info("%d replicas of %s on Ray Serve (%.1f CPUs, %d threads each; routing %s)", args.replicas,
+                 info["model_name"], self.replica_cpus, self.config.num_threads, args.routing)
+        return self.engine
+
+    def install_health(self, app: FastAPI) -> None:
+        """/health with the replicas: 200 `ok` when all are running, 200 `degraded` (still serving) while
+        some are missing, 503 `unavailable` when none is. Before the replicas are up, after a failure and
+        while shutting down, the app's own /health answers."""
+        state = app.state.sudu
+
+        @app.middleware("http")
+        async def replica_health(request: Request, call_next):
+            if (request.url.path != "/health" or request.method != "GET" or state.engine is None
+                    or state.draining or state.engine_failure is not None):
+                return await call_next(request)
+            try:
+                replicas = await asyncio.wait_for(asyncio.to_thread(state.engine.replicas), HEALTH_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 -- the controller did not answer: say so, keep serving
+                return JSONResponse({"status": "degraded", "error": f"Ray Serve status unavailable: {exc!r}"})
+            if replicas["running"] == 0:
+                return JSONResponse({"status": "unavailable", "replicas": replicas}, status_code=503)
+            status = "ok" if replicas["running"] >= replicas["target"] else "degraded"
+            return JSONResponse({"status": status, "replicas": replicas})
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        if not ray.is_initialized():
+            return
+        try:
+            if self.started_ray:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        finally:
+            if self.started_ray:
+                ray.shutdown()
