@@ -19,6 +19,14 @@ def prompts_of(lengths, vocab=380, seed=0):
     return [[g.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
+def greedy_agreement(a, b, prompts, max_tokens: int) -> float:
+    """Fraction of greedy tokens two engines agree on, position by position."""
+    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+    ta = [r.token_ids for r in a.generate(prompts, params)]
+    tb = [r.token_ids for r in b.generate(prompts, params)]
+    return sum(x == y for ra, rb in zip(ta, tb) for x, y in zip(ra, rb)) / sum(map(len, ta))
+
+
 def reference_greedy(hf, prompt, n):
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
@@ -260,12 +268,7 @@ def test_int8_kv_cache_holds_twice_the_tokens_and_stays_close(llms):
     assert i8.engine.runner.kv_bytes_per_token() * 2 == bf16_bytes
     bf16_tokens = budget // bf16_bytes
     assert i8.engine.runner.num_blocks * 16 == bf16_tokens * 2
-    prompts = prompts_of([20, 45, 70], seed=16)
-    params = SamplingParams(max_tokens=16, **GREEDY)
-    a = [r.token_ids for r in f32.generate(prompts, params)]
-    b = [r.token_ids for r in i8.generate(prompts, params)]
-    agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(map(len, a))
-    assert agree >= 0.8
+    assert greedy_agreement(f32, i8, prompts_of([20, 45, 70], seed=16), 16) >= 0.8
     assert i8.engine.block_manager.num_free_blocks == i8.engine.block_manager.num_blocks
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
-from tests.test_engine import GREEDY, prompts_of
+from tests.test_engine import GREEDY, greedy_agreement, prompts_of
 from tests.tiny_models import save_tiny_model
 
 
@@ -36,12 +36,7 @@ def test_int8_latent_pool_halves_bf16_and_stays_close(v3_dir, plain):
     i8 = LLM(str(v3_dir), progress=False, kv_cache_dtype="int8")
     assert i8.engine.runner.kv_bytes_per_token() * 4 == plain.engine.runner.kv_bytes_per_token()
     assert i8.engine.runner.kv_caches[0].v_scale.shape == (1, 32)  # one scale per latent channel
-    prompts = prompts_of([20, 45, 70], seed=16)
-    params = SamplingParams(max_tokens=16, **GREEDY)
-    a = [r.token_ids for r in plain.generate(prompts, params)]
-    b = [r.token_ids for r in i8.generate(prompts, params)]
-    agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(map(len, a))
-    assert agree >= 0.8
+    assert greedy_agreement(plain, i8, prompts_of([20, 45, 70], seed=16), 16) >= 0.8
     assert i8.engine.block_manager.num_free_blocks == i8.engine.block_manager.num_blocks
 
 

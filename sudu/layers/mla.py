@@ -23,7 +23,7 @@ from torch import nn
 
 from sudu.layers.attention import AttentionMetadata
 from sudu.layers.kv_cache import KVCache
-from sudu.layers.linear import FloatWeight
+from sudu.layers.linear import FloatWeight, fuse_linears
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import apply_rotary, yarn_mscale
 
@@ -38,7 +38,10 @@ def _fold_heads_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
 
 def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float) -> torch.Tensor:
     """q: [T, H, kv_lora_rank + rope] (latent-space queries, rotary part last) for the new tokens, whose
-    entries are already in the pool. Returns each head's latent output [T, H, kv_lora_rank]."""
+    entries are already in the pool. Returns each head's latent output [T, H, kv_lora_rank].
+
+    The values passed to SDPA are the keys themselves ([c ; k_pe]) and the rotary columns of the output are
+    dropped: SDPA's fused CPU kernel needs values as wide as keys, and this costs no copy."""
     T, H, D = q.shape
     lora = cache.v.shape[-1]
     out = q.new_empty(T, H, lora)
@@ -49,9 +52,9 @@ def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float) -> tor
         mask = s.mask
         if mask is None:  # plain causal from position 0: the new tokens are the whole context
             mask = torch.ones(s.q_len, s.q_len, dtype=torch.bool, device=q.device).tril()
-        o = F.scaled_dot_product_attention(qs, keys[None, None], c[:, 0][None, None],
+        o = F.scaled_dot_product_attention(qs, keys[None, None], keys[None, None],
                                            attn_mask=_fold_heads_mask(mask, H), scale=scale)
-        out[s.q_start:s.q_start + s.q_len] = o.view(H, s.q_len, lora).transpose(0, 1)
+        out[s.q_start:s.q_start + s.q_len] = o[..., :lora].view(H, s.q_len, lora).transpose(0, 1)
     d = view.decode
     if d is not None:
         B, max_q = d.rows.shape
@@ -59,9 +62,11 @@ def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float) -> tor
         qd = qd.transpose(1, 2).reshape(B, 1, H * max_q, D)
         k_pe, c = cache.read(d.slots, q.dtype)  # [B, keys, 1, rope], [B, keys, 1, lora]
         keys = torch.cat([c, k_pe], dim=-1)[:, :, 0]
-        o = F.scaled_dot_product_attention(qd, keys[:, None], c[:, :, 0][:, None],
-                                           attn_mask=_fold_heads_mask(d.mask, H), scale=scale)
-        o = o.view(B, H, max_q, lora).transpose(1, 2).reshape(B * max_q, H, lora)
+        # a batch without padding (e.g. one decoding sequence) needs no mask, and SDPA's fused kernel
+        # takes it without one
+        mask = None if bool(d.mask.all()) else _fold_heads_mask(d.mask, H)
+        o = F.scaled_dot_product_attention(qd, keys[:, None], keys[:, None], attn_mask=mask, scale=scale)
+        o = o[..., :lora].reshape(B, H, max_q, lora).transpose(1, 2).reshape(B * max_q, H, lora)
         rows = d.rows.reshape(-1)
         if d.padded:
             valid = rows >= 0
@@ -99,20 +104,41 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = FloatWeight(H * (self.nope + self.v_head), self.lora)  # split per head, never quantized
         self.o_proj = nn.Linear(H * self.v_head, cfg.hidden_size, bias=bias)
         self.interleaved = cfg.rope_interleave
+        self.w_uk = self.w_uv = None  # kv_b_proj split per head, set by fuse_projections
+        self.qkv_a_proj = None  # q_a_proj and kv_a_proj_with_mqa in one call, set by fuse_projections
         self.scale = qk ** -0.5
         yarn = cfg.rope_yarn or {}
         if yarn.get("mscale_all_dim"):
             self.scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
 
+    def fuse_projections(self) -> None:
+        """After loading (and quantizing): the per-head halves of kv_b_proj as contiguous matrices, W_UK
+        [heads, qk_nope, lora] and W_UV^T [heads, lora, v_head], and the two projections that read the
+        hidden state (q_a_proj, kv_a_proj_with_mqa) as one call."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head, self.lora)
+        self.w_uk = w[:, :self.nope].contiguous()
+        self.w_uv = w[:, self.nope:].transpose(1, 2).contiguous()
+        if hasattr(self, "q_a_proj"):
+            self.qkv_a_proj = fuse_linears([self.q_a_proj, self.kv_a_proj_with_mqa])
+            if self.qkv_a_proj is not None:
+                del self.q_a_proj, self.kv_a_proj_with_mqa
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [T, heads * (qk_nope + rope)], kv_a output [T, lora + rope])."""
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        if self.qkv_a_proj is not None:
+            q_a, kv = self.qkv_a_proj(x).split([self.qkv_a_proj.out_features - self.lora - self.rope,
+                                                self.lora + self.rope], dim=-1)
+        else:
+            q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        return self.q_b_proj(self.q_a_layernorm(q_a)), kv
+
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T, H = x.shape[0], self.num_heads
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv = self._project(x)
         q = q.view(T, H, self.nope + self.rope)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
-        kv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(kv[:, :self.lora])
         k_pe = kv[:, None, self.lora:]
         if self.interleaved:
@@ -120,8 +146,11 @@ class LatentAttention(nn.Module):
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
         cache = meta.kv_caches[self.layer_idx]
         cache.write(meta.full.slot_mapping, k_pe, c[:, None])
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_head, self.lora)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :self.nope])  # [H, T, lora]: W_UK^T q_nope
+        w_uk, w_uv = self.w_uk, self.w_uv
+        if w_uk is None:
+            w = self.kv_b_proj.weight.view(H, self.nope + self.v_head, self.lora)
+            w_uk, w_uv = w[:, :self.nope], w[:, self.nope:].transpose(1, 2)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, lora]: W_UK^T q_nope
         o = latent_attention(torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1), cache, meta.full, self.scale)
-        o = torch.bmm(o.transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # [H, T, v_head]: W_UV o
+        o = torch.bmm(o.transpose(0, 1), w_uv)  # [H, T, v_head]: W_UV o
         return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_head))
