@@ -150,7 +150,7 @@ def cluster(tiny_model_dirs, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         try:
-            _wait_health(url, {"ok"}, timeout_s=240)
+            _wait_health(url, {"ok"}, timeout_s=420)  # a loaded 2-core machine starts Ray slowly
         except AssertionError:
             raise AssertionError(log.read_text()[-4000:]) from None
         yield proc, url
@@ -218,6 +218,9 @@ def test_conversations_stay_where_their_prefix_is_cached(cluster):
     metrics = httpx.get(url + "/metrics", timeout=10).text
     hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("sudu:prefix_cache_hits"))
     assert hits > 0  # the replicas' counters, summed at the ingress
+    per_replica = [line for line in metrics.splitlines() if line.startswith("sudu:replica_prefix_cache_hits_total{")]
+    assert len(per_replica) == 2 and sum(float(line.split()[-1]) for line in per_replica) == hits
+    assert 'sudu:route_decisions_total{route="prefix"}' in metrics
 
 
 @pytest.mark.slow

@@ -131,6 +131,10 @@ class ClusterEngine:
         router = router_for(self.app_name)
         return router.replica_stats() if router is not None else {}
 
+    def route_counts(self) -> dict[str, int]:
+        router = router_for(self.app_name)
+        return dict(router.route_counts) if router is not None else {}
+
     def stats(self) -> dict:
         """The replicas' engine stats as last reported: counters and gauges summed, usage averaged."""
         reports = [r["stats"] for r in self.replica_stats().values() if "stats" in r]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -46,6 +46,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         self.decisions: OrderedDict[str, dict] = OrderedDict()  # sudu request id -> route
         self._predicted: dict[str, tuple[list[int], dict[str, int], str]] = {}  # internal id -> (ids, hits, reason)
         self._rr = itertools.count()
+        self.route_counts: Counter[str] = Counter()  # requests routed, by reason
         registry.register(self._deployment_id.app_name, self)
 
     # ---- what replicas report --------------------------------------------------------------------
@@ -111,6 +112,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         key = replica_id.unique_id
         self.in_flight.setdefault(key, set()).add(internal)
         ids, predicted, reason = self._predicted.pop(internal, ([], {}, "round_robin"))
+        self.route_counts[reason] += 1
         if ids:
             self.caches.setdefault(key, ReplicaCache()).add_pending(ids, time.monotonic())
         request_id = pending_request.kwargs.get("request_id")

@@ -103,7 +103,16 @@ class Cluster:
                  info["model_name"], self.replica_cpus, self.config.num_threads, args.routing)
         return self.engine
 
-    def install_health(self, app: FastAPI) -> None:
+    def install(self, app: FastAPI) -> None:
+        """The ingress's additions to the app: per-replica series on /metrics (metrics.py) and /health
+        with the replicas."""
+        from sudu.cluster.metrics import ReplicaCollector
+
+        state = app.state.sudu
+        state.metrics.registry.register(ReplicaCollector(lambda: self.engine))
+        self._install_health(app)
+
+    def _install_health(self, app: FastAPI) -> None:
         """/health with the replicas: 200 `ok` when all are running, 200 `degraded` (still serving) while
         some are missing, 503 `unavailable` when none is. Before the replicas are up, after a failure and
         while shutting down, the app's own /health answers."""

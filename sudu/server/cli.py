@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     shutdown_timeout_s=args.shutdown_timeout, limits=limits, on_load_error=on_load_error,
                     on_engine_failure=on_engine_failure)
     if cluster is not None:
-        cluster.install_health(app)
+        cluster.install(app)
     server = make_server(app, args.host, args.port, log_level=args.log_level)
     print(f"sudu: serving on http://{args.host}:{args.port} (loading {config.model}; /health is 503 until ready)",
           flush=True)
