@@ -93,6 +93,21 @@ def test_router_block_ids_are_the_engines(tiny_model_dirs):
     assert not set(other) & cached
 
 
+def test_plain_sudu_serve_does_not_import_ray():
+    code = ("import sys; from sudu.cli import build_parser; from sudu.server.app import build_app; "
+            "args = build_parser().parse_args(['serve', '--port', '1']); assert args.replicas is None; "
+            "build_app(load_engine=lambda: None); print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_zero_replicas_is_refused():
+    from sudu.cli import main
+
+    assert main(["serve", "--replicas", "0", "--port", "1"]) == 2
+
+
 # ---- sudu serve --replicas 2 on a local Ray instance -------------------------------------------------
 
 def _descendants(pid: int) -> list[int]:

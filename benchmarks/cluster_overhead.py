@@ -1,0 +1,41 @@
+"""What Ray Serve adds: `sudu bench single` (one stream at a time, cold prompts) against a plain `sudu serve`
+and against `sudu serve --replicas 1` with the same threads, then `sudu bench compare` on the two reports
+(TTFT and decode speed, each with its ratio's 95% CI). The difference is the ingress -> DeploymentHandle ->
+replica hop and the router.
+
+    flock /tmp/sudu-bench.lock python -m benchmarks.cluster_overhead -n 20
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def run_single(out_dir: str, serve_args: str, args) -> str:
+    cmd = [sys.executable, "-m", "sudu.cli", "bench", "single", "-n", str(args.num_requests), "--max-tokens",
+           str(args.max_tokens), "--out", out_dir, "--no-progress", "--no-html", "--server-timeout", "600",
+           "--serve-args", f"--disk-cache-size 0 --num-threads {args.threads} {serve_args}"]
+    subprocess.run(cmd, check=True, timeout=args.timeout)
+    return sorted(glob.glob(os.path.join(out_dir, "single-*.json")))[-1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--num-requests", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = run_single(os.path.join(tmp, "plain"), "", args)
+        ray = run_single(os.path.join(tmp, "ray"), f"--replicas 1 --replica-cpus {args.threads}", args)
+        print("\nA = plain sudu serve, B = sudu serve --replicas 1 (Ray Serve)\n", flush=True)
+        subprocess.run([sys.executable, "-m", "sudu.cli", "bench", "compare", plain, ray], check=True)
+
+
+if __name__ == "__main__":
+    main()
