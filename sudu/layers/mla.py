@@ -104,7 +104,9 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = FloatWeight(H * (self.nope + self.v_head), self.lora)  # split per head, never quantized
         self.o_proj = nn.Linear(H * self.v_head, cfg.hidden_size, bias=bias)
         self.interleaved = cfg.rope_interleave
-        self.w_uk = self.w_uv = None  # kv_b_proj split per head, set by fuse_projections
+        # kv_b_proj split per head, set by fuse_projections (buffers: they move with the network to a device)
+        self.register_buffer("w_uk", None, persistent=False)
+        self.register_buffer("w_uv", None, persistent=False)
         self.qkv_a_proj = None  # q_a_proj and kv_a_proj_with_mqa in one call, set by fuse_projections
         self.scale = qk ** -0.5
         yarn = cfg.rope_yarn or {}
