@@ -65,7 +65,8 @@ def test_chat_sync_non_stream(client):
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
     extra = r.usage.model_extra
     assert extra["prompt_cache_hit_tokens"] + extra["prompt_cache_miss_tokens"] == r.usage.prompt_tokens
-    assert set(r.model_extra["sudu"]) == {"queue_s", "prefill_s", "decode_s", "ttft_s", "cached_tokens"}
+    assert set(r.model_extra["sudu"]) == {"queue_s", "prefill_s", "decode_s", "ttft_s", "cached_tokens",
+                                         "cached_tokens_disk", "disk_load_s"}
 
 
 def test_chat_sync_stream_matches_non_stream(client):

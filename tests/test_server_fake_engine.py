@@ -255,7 +255,8 @@ def test_chat_round_trip_has_usage_timing_and_server_timing(fake):
     assert usage["total_tokens"] == prompt_len + 4
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
     assert usage["prompt_cache_hit_tokens"] == 0 and usage["prompt_cache_miss_tokens"] == prompt_len
-    assert set(body["sudu"]) == {"queue_s", "prefill_s", "decode_s", "ttft_s", "cached_tokens"}
+    assert set(body["sudu"]) == {"queue_s", "prefill_s", "decode_s", "ttft_s", "cached_tokens", "cached_tokens_disk",
+                                 "disk_load_s"}
     parts = [p.strip() for p in r.headers["server-timing"].split(",")]
     assert [p.split(";")[0] for p in parts] == ["queue", "prefill", "decode"]
     assert all(p.split(";")[1].startswith("dur=") for p in parts)
