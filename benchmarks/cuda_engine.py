@@ -6,10 +6,10 @@ the real tokenizer (decode and prefill cost do not depend on the weights' values
 compared anyway: both must compute the same network.
 
 Step 1, where the catalog's GGUFs are (this CPU machine):
-    python -m benchmarks.cuda prepare --out .devicebench
+    python -m benchmarks.cuda_engine prepare --out .devicebench
   writes per model a directory with config.json and the tokenizer (tokenizer.json, tokenizer_config.json).
 Step 2, on the GPU machine:
-    python -m benchmarks.cuda run --assets .devicebench [--models qwen2.5-coder-0.5b-instruct,...] [--repeat 3]
+    python -m benchmarks.cuda_engine run --assets .devicebench [--models qwen2.5-coder-0.5b-instruct,...] [--repeat 3]
 
 Measures, per side (the two alternate within each repeat; median of --repeat, [min-max]):
   decode    single-stream greedy tok/s: (N - 1) / (t(N new tokens) - t(1 new token)), 32-token prompt
