@@ -95,3 +95,5 @@ def test_restart_happens_once_after_every_session_finished_turn_k():
     summary = summarize(sessions, restart_after_turn=2)
     assert [t["after_restart"] for t in summary["turns"]] == [False, False, True, False]
     assert abs(summary["token_hit_rate_turns_2plus"] - 0.9) < 1e-9
+    # no answers counted (no completion_tokens): the ideal is the previous prompt, 100 (k - 1) of 100 k
+    assert abs(summary["ideal_hit_rate_turns_2plus"] - (100 + 200 + 300) / (200 + 300 + 400)) < 1e-9

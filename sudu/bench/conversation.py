@@ -222,7 +222,7 @@ async def run_conversation(ctx, opts: ConversationOptions, send: Callable,
             usage = rec.usage or {}
             turns.append({"turn": turn, "ok": rec.ok, "ttft_s": rec.metrics.get("ttft_s"),
                           "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": rec.metrics.get("cached_tokens"),
-                          "error": rec.error})
+                          "completion_tokens": usage.get("completion_tokens"), "error": rec.error})
             if turn == 1 and s.user == leaders[s.team]:
                 team_ready[s.team].set()
             if not rec.ok:
@@ -269,12 +269,20 @@ def summarize(sessions: list[dict], restart_after_turn: int | None = None) -> di
                       "prompt_tokens_mean": float(np.mean([t["prompt_tokens"] or 0 for t in ts])),
                       "cached_share": share(ts), "after_restart": bool(restart_after_turn and turn == restart_after_turn + 1)})
     later = [t for turn, ts in by_turn.items() if turn >= 2 for t in ts]
+    # the most a cache could serve at turn k: everything sent (prompt) and generated (answer) at turn k - 1
+    ideal = prompt = 0
+    for s in sessions:
+        for prev, t in zip(s["turns"], s["turns"][1:]):
+            if prev["ok"] and t["ok"] and t["prompt_tokens"]:
+                ideal += min(t["prompt_tokens"], (prev["prompt_tokens"] or 0) + (prev.get("completion_tokens") or 0))
+                prompt += t["prompt_tokens"]
     ttft_later = [t["ttft_s"] for t in later if t["ttft_s"] is not None]
     times = [s["session_s"] for s in sessions]
     return {
         "turns": turns,
         "token_hit_rate_turns_2plus": share(later),
         "token_hit_rate_all": share([t for ts in by_turn.values() for t in ts]),
+        "ideal_hit_rate_turns_2plus": ideal / prompt if prompt else None,
         "ttft_mean_turns_2plus_s": float(np.mean(ttft_later)) if ttft_later else None,
         "session_s_mean": float(np.mean(times)) if times else None,
         "session_s_max": max(times) if times else None,
@@ -299,7 +307,8 @@ def markdown(summary: dict) -> str:
                      f"{ms(t['ttft_mean_s'])} | {pct(t['cached_share'])} |")
     lines.append("")
     lines.append(f"Token hit rate, turns >= 2: {pct(summary['token_hit_rate_turns_2plus'])} (all turns: "
-                 f"{pct(summary['token_hit_rate_all'])}); mean TTFT of turns >= 2: {ms(summary['ttft_mean_turns_2plus_s'])} ms; "
+                 f"{pct(summary['token_hit_rate_all'])}; the most a cache could hit, the previous turn's prompt "
+                 f"and answer: {pct(summary.get('ideal_hit_rate_turns_2plus'))}); mean TTFT of turns >= 2: {ms(summary['ttft_mean_turns_2plus_s'])} ms; "
                  f"session time mean {summary['session_s_mean'] or 0:.1f} s, max {summary['session_s_max'] or 0:.1f} s; "
                  f"{summary['sessions_completed']}/{summary['sessions']} sessions completed.")
     return "\n".join(lines)
