@@ -13,7 +13,6 @@ import torch
 
 class KVBlockIO:
     def __init__(self, kv_caches: list, sliding_layers: set[int], block_size: int):
-        self.kv_caches = kv_caches
         self.sliding_layers = sliding_layers  # layers whose pool is the sliding pool (empty: one pool)
         self.block_size = block_size
         # per layer: a [num_blocks, block bytes] byte view of K and of V (pools are contiguous [slots, H, D])

@@ -31,7 +31,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sudu.paths import sudu_home
@@ -92,7 +92,7 @@ class _Write:
     parent: bytes
     token_ids: tuple[int, ...]
     payload: object  # a uint8 tensor of the block's bytes, owned by the queue
-    nbytes: int = field(default=0)
+    nbytes: int
 
 
 def encode_block(namespace: bytes, block_hash: bytes, parent: bytes, token_ids, payload) -> list:
