@@ -21,6 +21,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None -> none; k -> sampled token's logprob plus top-k alternatives
     skip_special_tokens: bool = True
+    # an llguidance grammar (sudu.structured.grammars builds one from a JSON schema, regex, choices, Lark
+    # or GBNF): every token is sampled from what it allows; None -> unconstrained
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

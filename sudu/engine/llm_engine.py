@@ -24,6 +24,8 @@ from sudu.errors import RequestTooLongError
 from sudu.engine.speculative import Draft, Speculator
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
+from sudu.structured.backend import GrammarBackend
+from sudu.structured.masks import GrammarMasks, PendingMasks, apply_masks, forced_tokens
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class _Batch:
     started_at: float
     num_decodes: int
     num_prefill_tokens: int
+    masks: PendingMasks | None = None  # the constrained rows' token masks, computed during the forward pass
 
 
 class LLMEngine:
@@ -76,6 +79,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(ckpt.config.eos_token_id)
+        self.grammar_backend = GrammarBackend(self.tokenizer, ckpt.config.vocab_size, sorted(self.eos_token_ids))
+        self.grammar_masks = GrammarMasks(ckpt.config.vocab_size)
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
@@ -114,6 +119,8 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
+        if params.grammar is not None:
+            self.grammar_backend.check(params.grammar)
         return CheckedRequest(list(prompt_token_ids), params, max_tokens)
 
     def add_request(
@@ -143,6 +150,8 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            if params.grammar is not None:
+                seq.grammar = self.grammar_backend.matcher(params.grammar)
             seq.held_back = index > 0
             seqs.append(seq)
             self.scheduler.add(seq)
@@ -196,7 +205,7 @@ class LLMEngine:
         drafts = {}
         if self.speculator is not None:
             drafts = self.speculator.prepare(scheduled, self.block_manager, len(self.scheduler.running))
-        return _Batch(scheduled, drafts, start, decodes, prefill_tokens)
+        return _Batch(scheduled, drafts, start, decodes, prefill_tokens, self.grammar_masks.start(scheduled))
 
     def _run(self, batch: _Batch) -> torch.Tensor:
         """The batch's logit rows. If the forward pass fails, each sequence runs alone (its KV slots are
@@ -238,7 +247,10 @@ class LLMEngine:
             if not s.draft_token_ids:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 self.block_manager.commit(s.seq)
-        sampled = self._sample(plain, logits[plain_rows]) if plain else []
+        plain_logits = logits[plain_rows] if plain else None
+        if batch.masks is not None:
+            plain_logits = self._constrain(batch.masks, plain, plain_logits, speculated)
+        sampled = self._sample(plain, plain_logits) if plain else []
         now = time.perf_counter()
         for seq, tok in zip(plain, sampled):
             if tok is not None:
@@ -248,8 +260,47 @@ class LLMEngine:
             self._guarded(s.seq, touched,
                           lambda s=s, seq_logits=seq_logits, draft=draft: self._accept_speculated(s, seq_logits, draft),
                           now)
+        if batch.masks is not None:
+            for seq in plain + [s.seq for s, _ in speculated]:
+                if seq.grammar is not None and not seq.is_finished:
+                    self._guarded(seq, touched, lambda seq=seq: self._append_forced(seq), now)
         self.scheduler.chunk_budget.observe(batch.num_decodes, batch.num_prefill_tokens,
                                             time.perf_counter() - batch.started_at)
+
+    def _constrain(self, masks: PendingMasks, plain: list[Sequence], plain_logits: torch.Tensor | None,
+                   speculated: list) -> torch.Tensor | None:
+        """Disallowed tokens to -inf in the constrained rows (a view for speculated sequences, so their
+        verification sees it). A sequence whose grammar failed is failed and leaves the plain rows."""
+        keep = []
+        for i, seq in enumerate(plain):
+            rows = masks.rows(seq)
+            if isinstance(rows, Exception):
+                self.fail_request(seq.request_id, f"structured output failed: {rows}")
+                continue
+            if rows is not None:
+                apply_masks(plain_logits[i:i + 1], rows)
+            keep.append(i)
+        if len(keep) < len(plain):
+            plain[:] = [plain[i] for i in keep]
+            plain_logits = plain_logits[keep]
+        for s, seq_logits in speculated:
+            rows = masks.rows(s.seq)
+            if isinstance(rows, Exception):
+                self.fail_request(s.seq.request_id, f"structured output failed: {rows}")
+            elif rows is not None:
+                apply_masks(seq_logits, rows)
+        return plain_logits
+
+    def _append_forced(self, seq: Sequence) -> None:
+        """Tokens the grammar forces, appended without a model step (not with logprobs: those need the
+        model's distribution at each position)."""
+        if seq.params.logprobs is not None:
+            return
+        room = seq.max_total_tokens - seq.num_tokens
+        for token in forced_tokens(seq.grammar, self.grammar_backend.vocab_size, self.eos_token_ids, room):
+            self._append_token(seq, SampledToken(token))
+            if seq.is_finished:
+                return
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken | None]:
         """One token per sequence; if the batched draw fails, row by row, and a row that fails alone
@@ -312,6 +363,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, tok) -> None:
         p = seq.params
         token = tok.token_id
+        if seq.grammar is not None and token not in self.eos_token_ids and not seq.grammar.consume_token(token):
+            raise RuntimeError(f"token {token} breaks the grammar: {seq.grammar.get_error()}")
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         if p.logprobs is not None:
@@ -336,6 +389,8 @@ class LLMEngine:
             seq.new_text += text
         if seq.num_tokens >= seq.max_total_tokens:
             self._finish(seq, "length", None)
+        elif seq.grammar is not None and seq.grammar.is_stopped():  # complete: only end-of-sequence could follow
+            self._finish(seq, "stop", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, flush: bool = True) -> None:
         if flush:
@@ -381,6 +436,7 @@ class LLMEngine:
         """Let the context cache's disk writer finish what it has queued (blocks still in RAM are on disk
         already or were dropped: they are written through as they fill)."""
         self.block_manager.close()
+        self.grammar_masks.close()
 
     # ---- introspection ------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -34,6 +34,7 @@ from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
 from sudu.layers.sampler import SampledToken, SamplingRow, apply_penalties, argmax_rows, filter_logits
+from sudu.structured.masks import cut_draft
 
 
 @dataclass
@@ -375,6 +376,9 @@ class Speculator:
             ks.append(k)
         drafts = {}
         for s, d in zip(decoding, self.drafter.propose([s.seq for s in decoding], ks)):
+            if s.seq.grammar is not None:  # structured output: cut at the first token the grammar rejects
+                n = cut_draft(s.seq.grammar, d.token_ids)
+                d = Draft(d.token_ids[:n], d.probs[:n] if d.probs is not None else None)
             if d.token_ids and block_manager.can_allocate(s.seq, 1 + len(d.token_ids)):
                 block_manager.allocate(s.seq, 1 + len(d.token_ids))
                 s.num_new_tokens = 1 + len(d.token_ids)

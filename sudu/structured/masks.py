@@ -1,0 +1,110 @@
+"""Constrained decoding inside the engine's step: token masks, drafts cut to the grammar, forced tokens.
+
+- `GrammarMasks.start` runs right after scheduling: for every sequence of the batch that samples this
+  step and carries a grammar, a worker thread computes the rows of allowed tokens (one per logit row: the
+  last token's, and one after each draft token, the draft consumed and rolled back) while the forward
+  pass runs. `PendingMasks.apply` then sets every disallowed logit to -inf before sampling or draft
+  verification. Unconstrained rows are untouched, so constrained and free requests share a batch.
+- `cut_draft`: a speculative draft is cut at its first token the grammar rejects (verification would
+  reject it anyway, and its KV slot would be wasted).
+- `forced_tokens`: where the grammar allows exactly one token, that token is the only one sampling could
+  choose (greedy or not), so it is appended without a model step; its KV is computed with the next
+  token's, like a short prompt chunk.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from sudu.structured.backend import allowed_ids
+
+MAX_FORCED_TOKENS = 64  # per step and sequence: bounds the time one step spends walking a grammar
+
+
+class PendingMasks:
+    """The masks of one step, being computed."""
+
+    def __init__(self, future: Future):
+        self._future = future
+        self._rows: dict[int, torch.Tensor | Exception] | None = None
+
+    def rows(self, seq) -> torch.Tensor | Exception | None:
+        """[k + 1, vocab] bool, True where a token is disallowed (None: the sequence is unconstrained; an
+        exception: its grammar failed, which fails its request)."""
+        if self._rows is None:
+            self._rows = self._future.result()
+        return self._rows.get(seq.seq_id)
+
+
+class GrammarMasks:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sudu-grammar")
+
+    def start(self, scheduled) -> PendingMasks | None:
+        """scheduled: the step's ScheduledSeq list, drafts already attached."""
+        jobs = [(s.seq, list(s.draft_token_ids)) for s in scheduled if s.samples and s.seq.grammar is not None]
+        if not jobs:
+            return None
+        return PendingMasks(self._pool.submit(self._compute, jobs))
+
+    def _compute(self, jobs) -> dict[int, torch.Tensor | Exception]:
+        out: dict[int, torch.Tensor | Exception] = {}
+        for seq, draft in jobs:
+            try:
+                out[seq.seq_id] = self._disallowed(seq.grammar, draft)
+            except Exception as exc:  # noqa: BLE001 -- this request's own failure
+                out[seq.seq_id] = exc
+        return out
+
+    def _disallowed(self, matcher, draft: list[int]) -> torch.Tensor:
+        words = np.zeros((len(draft) + 1, self._words), dtype=np.int32)
+        for i in range(len(draft) + 1):
+            row = words[i]
+            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if i < len(draft) and not matcher.consume_token(draft[i]):
+                raise RuntimeError(f"grammar error: {matcher.get_error()}")
+        if draft and not matcher.rollback(len(draft)):
+            raise RuntimeError(f"grammar error: {matcher.get_error()}")
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
+        if not matcher.is_accepting() and not bits[0].any():
+            raise RuntimeError(f"the grammar allows no next token: {matcher.get_error() or 'dead end'}")
+        return torch.from_numpy(bits == 0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_masks(logits: torch.Tensor, disallowed: torch.Tensor) -> None:
+    """Disallowed tokens to -inf, in place (logits [rows, >= vocab]; ids past the mask stay allowed only if
+    the grammar's vocabulary covers them, which it does: it is built at the logits' width)."""
+    logits[:, : disallowed.shape[1]].masked_fill_(disallowed.to(logits.device), float("-inf"))
+
+
+def cut_draft(matcher, token_ids: list[int]) -> int:
+    """How many leading draft tokens the grammar accepts (the matcher's state is unchanged)."""
+    return matcher.validate_tokens(token_ids) if token_ids else 0
+
+
+def forced_tokens(matcher, vocab_size: int, eos_token_ids, limit: int) -> list[int]:
+    """The tokens the grammar forces next, one by one while exactly one token is allowed (never an
+    end-of-sequence token: finishing goes through the normal path). The matcher is left unchanged."""
+    if not matcher.compute_ff_tokens():  # the common case, answered without a mask
+        return []
+    out: list[int] = []
+    eos = set(eos_token_ids)
+    limit = min(limit, MAX_FORCED_TOKENS)
+    while len(out) < limit and not matcher.is_stopped():
+        ids = allowed_ids(matcher.compute_bitmask(), vocab_size)
+        if ids.size != 1 or int(ids[0]) in eos:
+            break
+        token = int(ids[0])
+        if not matcher.consume_token(token):
+            break
+        out.append(token)
+    if out:
+        matcher.rollback(len(out))
+    return out
