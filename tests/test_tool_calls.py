@@ -1,4 +1,5 @@
-"""sudu/tools: tool-call parsing, whole and streamed (split at every point, against the whole parse)."""
+"""sudu/tools: tool-call parsing (whole and streamed, split at every point) and the chat-message side
+(the real Qwen 2.5 template renders a tool loop; the Gemma default template takes the fallback)."""
 from __future__ import annotations
 
 import json
@@ -6,10 +7,14 @@ import random
 import re
 
 import pytest
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import models
 
-from sudu.tokenizer import GEMMA_DEFAULT_CHAT_TEMPLATE
-from sudu.tools.parser import (ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, detect_format,
-                               parse_tool_calls)
+from sudu.errors import SuduError
+from sudu.tokenizer import CHATML_DEFAULT_CHAT_TEMPLATE, GEMMA_DEFAULT_CHAT_TEMPLATE, Tokenizer
+from sudu.tools import (ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, check_tool_choice,
+                        check_tool_messages, check_tools, detect_format, fallback_messages, parameters_schema,
+                        parse_tool_calls, supports_tools, template_messages)
 
 
 def calls_of(text: str, fmt: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -255,3 +260,186 @@ def test_detect_format():
     assert detect_format("<|start_header_id|>ipython<|end_header_id|>") == "llama3"
     assert detect_format("{{- '<|python_tag|>' }}") == "llama3"
     assert detect_format(GEMMA_DEFAULT_CHAT_TEMPLATE) == "hermes"
+
+
+# messages
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time"}}
+
+
+def tool_loop() -> list[dict]:
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather and time in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 °C, sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+    ]
+
+
+def test_template_messages_shapes_tool_calls():
+    messages = tool_loop()
+    shaped = template_messages(messages)
+    assert shaped[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert shaped[2]["tool_calls"][1]["function"] == {"name": "get_time", "arguments": {}}
+    assert [shaped[3]["name"], shaped[4]["name"]] == ["get_weather", "get_time"]
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # input untouched
+    assert "name" not in messages[3]
+    named = dict(messages[3], name="custom")
+    assert template_messages(messages[:3] + [named])[3]["name"] == "custom"
+    messages[2]["tool_calls"][1]["function"]["arguments"] = "{'a': 1}"
+    with pytest.raises(ValueError, match=r"messages\[2\]\.tool_calls\[1\]\.function\.arguments is not valid JSON"):
+        template_messages(messages)
+
+
+def _qwen_tokenizer() -> Tokenizer:
+    from sudu.weights.catalog import cached_path, get_entry, is_pulled
+    from sudu.weights.gguf import open_gguf
+
+    entry = get_entry("qwen2.5-coder-0.5b-instruct")
+    if not is_pulled(entry):
+        pytest.skip("qwen2.5-coder-0.5b-instruct is not in the model cache")
+    return Tokenizer.from_gguf(open_gguf(cached_path(entry)))
+
+
+@pytest.mark.slow
+def test_qwen_template_renders_a_tool_loop():
+    tok = _qwen_tokenizer()
+    assert supports_tools(tok.chat_template) and detect_format(tok.chat_template) == "hermes"
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    text = tok.apply_chat_template(template_messages(tool_loop()), tools=tools)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(WEATHER_TOOL, ensure_ascii=False) + "\n" in text
+    assert ("<|im_start|>assistant\n<tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+            '{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>\n') in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n18 °C, sunny\n</tool_response>\n"
+                         "<tool_response>\n14:05\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # what the template shows the model as its own calls parses back to the same calls
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert calls_of(turn, "hermes") == (None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])
+
+
+def _gemma_like_tokenizer() -> Tokenizer:
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<start_of_turn>": 3, "<end_of_turn>": 4}
+    backend = RustTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    return Tokenizer(backend, bos_token_id=1, eos_token_ids=[2], pad_token_id=None, chat_template=None,
+                     add_bos=False)
+
+
+def test_supports_tools():
+    assert not supports_tools(None)
+    assert not supports_tools(GEMMA_DEFAULT_CHAT_TEMPLATE)
+    assert not supports_tools(CHATML_DEFAULT_CHAT_TEMPLATE)
+    assert supports_tools("{% if tools %}{{ tools | tojson }}{% endif %}{{ message.tool_calls }}")
+
+
+def test_gemma_default_template_takes_the_fallback():
+    tok = _gemma_like_tokenizer()
+    messages = tool_loop() + [{"role": "assistant", "content": "Sunny, 18 °C, 14:05."},
+                              {"role": "user", "content": "Thanks"}]
+    with pytest.raises(SuduError, match="alternate"):
+        tok.apply_chat_template(messages)  # the raw tool turns break Gemma's alternation
+    fallback = fallback_messages(messages, [WEATHER_TOOL, TIME_TOOL])
+    assert [m["role"] for m in fallback] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert all("tool_calls" not in m for m in fallback)
+    text = tok.apply_chat_template(fallback)
+    first_user = text.split("<start_of_turn>user\n")[1].split("<end_of_turn>")[0]
+    assert first_user.startswith("Be brief.\n\n# Tools\n")
+    assert json.dumps(TIME_TOOL) in first_user and first_user.endswith("</tool_call>\n\nWeather and time in Paris?")
+    assert ("<start_of_turn>user\n<tool_response>\n18 °C, sunny\n</tool_response>\n"
+            "<tool_response>\n14:05\n</tool_response><end_of_turn>") in text
+    model_turn = text.split("<start_of_turn>model\n")[1].split("<end_of_turn>")[0]
+    assert calls_of(model_turn, "hermes") == (None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])
+
+
+def test_fallback_messages_system_and_merging():
+    messages = [{"role": "user", "content": "hi"}]
+    fallback = fallback_messages(messages, [TIME_TOOL])
+    assert fallback[0]["role"] == "system" and fallback[0]["content"].startswith("# Tools")
+    assert fallback[1:] == messages
+    assert fallback_messages(messages, None) == messages
+    loop = tool_loop()
+    loop[2]["content"] = "Looking."
+    loop.append({"role": "user", "content": "And tomorrow?"})
+    fallback = fallback_messages(loop, [])
+    assert fallback[2]["content"].startswith("Looking.\n<tool_call>\n")
+    assert fallback[3] == {"role": "user", "content": "<tool_response>\n18 °C, sunny\n</tool_response>\n"
+                                                      "<tool_response>\n14:05\n</tool_response>\n\nAnd tomorrow?"}
+    assert len(fallback) == 4
+
+
+# validation
+
+def test_check_tools():
+    check_tools([WEATHER_TOOL, TIME_TOOL])
+    check_tools(None)
+    assert parameters_schema(TIME_TOOL) == {"type": "object", "properties": {}}
+    assert parameters_schema(WEATHER_TOOL) is WEATHER_TOOL["function"]["parameters"]
+    bad = [
+        ([], "non-empty list"),
+        ({"type": "function"}, "non-empty list"),
+        ([{"type": "retrieval"}], r"tools\[0\]: only"),
+        ([{"type": "function"}], r"tools\[0\]\.function must be"),
+        ([{"type": "function", "function": {"name": "has space"}}], "1 to 64 letters"),
+        ([{"type": "function", "function": {"name": "x" * 65}}], "1 to 64 letters"),
+        ([WEATHER_TOOL, WEATHER_TOOL], r"tools\[1\]: the function name 'get_weather'"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "type.*object"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "JSON schema object"),
+        ([{"type": "function", "function": {"name": "f", "description": 3}}], "description"),
+        ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "strict"),
+    ]
+    for tools, message in bad:
+        with pytest.raises(ValueError, match=message):
+            check_tools(tools)
+
+
+def test_check_tool_choice():
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    for choice in (None, "none", "auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+        check_tool_choice(choice, tools)
+    check_tool_choice("auto", None)
+    check_tool_choice("none", None)
+    bad = [
+        ("required", None, "needs tools"),
+        ({"type": "function", "function": {"name": "get_time"}}, None, "no tools"),
+        ({"type": "function", "function": {"name": "missing"}}, tools, "'missing', which is not among the tools "
+                                                                        r"\(get_weather, get_time\)"),
+        ("any", tools, "must be one of"),
+        ({"function": {"name": "get_time"}}, tools, "as an object"),
+        ({"type": "function", "function": {}}, tools, "name must be a string"),
+    ]
+    for choice, with_tools, message in bad:
+        with pytest.raises(ValueError, match=message):
+            check_tool_choice(choice, with_tools)
+
+
+def test_check_tool_messages():
+    check_tool_messages(tool_loop())
+    check_tool_messages([{"role": "user", "content": "x"}])
+    early = tool_loop()
+    early.insert(1, {"role": "tool", "tool_call_id": "call_1", "content": "x"})
+    with pytest.raises(ValueError, match=r"messages\[1\]: tool_call_id 'call_1' matches no tool call"):
+        check_tool_messages(early)
+    unknown = tool_loop()
+    unknown[4]["tool_call_id"] = "call_9"
+    with pytest.raises(ValueError, match=r"messages\[4\]: tool_call_id 'call_9'"):
+        check_tool_messages(unknown)
+    missing = tool_loop()
+    del missing[3]["tool_call_id"]
+    with pytest.raises(ValueError, match=r"messages\[3\]: a tool message needs the tool_call_id"):
+        check_tool_messages(missing)
+    no_name = tool_loop()
+    del no_name[2]["tool_calls"][0]["function"]["name"]
+    with pytest.raises(ValueError, match=r"messages\[2\]\.tool_calls\[0\]\.function must be"):
+        check_tool_messages(no_name)
+    bad_args = tool_loop()
+    bad_args[2]["tool_calls"][0]["function"]["arguments"] = "[1]"
+    with pytest.raises(ValueError, match=r"messages\[2\]\.tool_calls\[0\]\.function\.arguments must be a JSON object"):
+        check_tool_messages(bad_args)
