@@ -293,7 +293,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for a conversation. The text already holds BOS where the model wants it, so
         encode it with add_special_tokens=False (or use `encode_chat`)."""
-        template = _compile_template(self.chat_template or self._default_chat_template())
+        template = _compile_template(self.template_source)
         chat = [_chat_message(m) for m in messages]
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                    "pad_token": "" if self.pad_token_id is None else self._backend.id_to_token(self.pad_token_id)}
@@ -308,13 +308,19 @@ class Tokenizer:
             raise
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    max_tokens: int | None = None) -> list[int]:
+                    max_tokens: int | None = None, tools: list[dict] | None = None) -> list[int]:
         """The token ids of a conversation: the one chat -> ids path (server, `sudu generate --chat`,
         benchmarks). The template writes its own special tokens; BOS is added only where the tokenizer
-        has one and the rendered text does not already start with it."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        has one and the rendered text does not already start with it. tools: OpenAI tool definitions, for
+        templates that render them (sudu/tools/messages.py handles templates that do not)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
         bos = self.bos_token
         return self.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos), max_tokens=max_tokens)
+
+    @property
+    def template_source(self) -> str:
+        """The chat template in use: the model's own, else sudu's default for its family."""
+        return self.chat_template or self._default_chat_template()
 
     def _default_chat_template(self) -> str:
         if self.token_to_id("<start_of_turn>") is not None:

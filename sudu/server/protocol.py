@@ -20,6 +20,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256
 MAX_PROMPTS = 256  # = the most choices of one call
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_TOOL_CALLS = 128  # per assistant message
+MAX_CHOICES = 1024  # guided_choice
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
@@ -30,6 +33,18 @@ class _Request(BaseModel):
     # extra="ignore": OpenAI clients send fields sudu does not implement (logit_bias, tools, ...);
     # allow_inf_nan=False: NaN/inf never reach sampling
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class JSONSchemaFormat(_Request):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema", description="The JSON schema; omitted -> any JSON object.")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class StreamOptions(_Request):
@@ -69,6 +84,15 @@ class _SamplingFields(_Request):
     priority: int = Field(
         0, ge=-(2**31), le=2**31 - 1, description="sudu extension: scheduling priority; lower is served first."
     )
+    # structured output (docs/structured_output.md): at most one of these per request
+    response_format: ResponseFormat | None = Field(
+        None, description="{type: text | json_object | json_schema}; json_* constrain every token to valid JSON.")
+    guided_json: dict | bool | str | None = Field(None, description="sudu extension (vLLM's name): a JSON schema.")
+    guided_regex: str | None = Field(None, description="sudu extension: the output matches this regex (Rust syntax).")
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = Field(
+        None, description="sudu extension: the output is exactly one of these strings.")
+    guided_grammar: str | None = Field(
+        None, description="sudu extension: a Lark grammar (llguidance's dialect) or a GBNF grammar (rules with ::=).")
 
 
 class TextPart(_Request):
@@ -79,14 +103,53 @@ class TextPart(_Request):
 MessageContent = Union[str, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]]
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON object, in a string (OpenAI's shape).")
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: MessageContent | None = Field(None, description="A string or an array of text parts.")
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = Field(
+        None, description="An assistant turn's calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="A JSON schema of the arguments; omitted -> no arguments.")
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without.")
+    parallel_tool_calls: bool = Field(True, description="Whether one answer may hold several calls.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens when both are set.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Needs logprobs=true.")
@@ -152,7 +215,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -16,7 +16,11 @@ from sudu.errors import RequestTooLongError, SuduError
 from sudu.sampling import SamplingParams
 from sudu.server import protocol as P
 from sudu.server.engine_protocol import ServingEngine
+from sudu.server.constraints import output_grammar, tool_grammar
 from sudu.server.errors import invalid
+from sudu.structured.grammars import GrammarError
+from sudu.tools import messages as tool_messages
+from sudu.tools.parser import detect_format
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature is treated as 0 (logits / ~0 overflow)
 MAX_CHOICES_PER_REQUEST = 256  # prompts x n of one /v1/completions call
@@ -41,6 +45,7 @@ class PreparedCall:
     n: int
     logprobs: int | None  # None: no logprobs; k: the sampled token's and k alternatives
     echo: list[str] | None = None  # completions with echo: each prompt's text
+    tool_format: str | None = None  # chat with tools: the tool-call syntax to parse out of the answers
 
 
 def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> PreparedCall:
@@ -50,15 +55,52 @@ def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> Prepar
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
     _check_chars(engine, sum(_content_chars(m.content) for m in body.messages), "messages")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None
+    template = engine.tokenizer.template_source
+    if tools is not None:
+        _user_check("tools", tool_messages.check_tools, tools)
+    _user_check("tool_choice", tool_messages.check_tool_choice, _tool_choice(body), tools or [])
+    _user_check("messages", tool_messages.check_tool_messages, messages)
+    messages = _user_check("messages", tool_messages.template_messages, messages)
+    fmt = detect_format(template)
+    grammar, grammar_param = output_grammar(body)
+    forced = tool_grammar(body, fmt)
+    if forced is not None:
+        if grammar is not None:
+            raise invalid(f"tool_choice {_tool_choice(body)!r} already constrains the output; drop {grammar_param}",
+                          grammar_param)
+        grammar, grammar_param = forced, "tool_choice"
+    if grammar is not None:
+        params.grammar = grammar
+    if tools and not tool_messages.supports_tools(template):
+        messages, tools = tool_messages.fallback_messages(messages, tools), None
     try:
-        ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True, max_tokens=engine.max_model_len)
+        ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True, max_tokens=engine.max_model_len,
+                                           tools=tools)
     except RequestTooLongError as exc:
         raise invalid(str(exc), "messages", code="context_length_exceeded") from exc
     except Exception as exc:  # noqa: BLE001 -- templates reject message orders with raise_exception()
         raise invalid(f"The chat template rejected the messages: {exc}", "messages") from exc
     if not ids:
         raise invalid("The rendered prompt is empty", "messages")
-    return PreparedCall(_checked_jobs(engine, "chatcmpl", [ids], params, body.priority, "messages"), body.n, logprobs)
+    jobs = _checked_jobs(engine, "chatcmpl", [ids], params, body.priority, "messages", grammar_param)
+    parse_tools = bool(body.tools) and _tool_choice(body) != "none"
+    return PreparedCall(jobs, body.n, logprobs, tool_format=fmt if parse_tools else None)
+
+
+def _tool_choice(body: P.ChatCompletionRequest):
+    choice = body.tool_choice
+    if choice is None:
+        return "auto" if body.tools else "none"
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def _user_check(param: str, check, *args):
+    """check(*args), its ValueError a 400 on param."""
+    try:
+        return check(*args)
+    except ValueError as exc:
+        raise invalid(str(exc), param) from None
 
 
 def prepare_completion(engine: ServingEngine, body: P.CompletionRequest) -> PreparedCall:
@@ -68,6 +110,7 @@ def prepare_completion(engine: ServingEngine, body: P.CompletionRequest) -> Prep
     if len(prompts) * body.n > MAX_CHOICES_PER_REQUEST:
         raise invalid(f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES_PER_REQUEST} choices", "prompt")
     params = sampling_params(body, body.max_tokens, body.logprobs)
+    params.grammar, grammar_param = output_grammar(body)
     token_lists = []
     for p in prompts:
         if isinstance(p, str):
@@ -81,7 +124,7 @@ def prepare_completion(engine: ServingEngine, body: P.CompletionRequest) -> Prep
         if not ids:
             raise invalid("The prompt encodes to no tokens", "prompt")
         token_lists.append(ids)
-    jobs = _checked_jobs(engine, "cmpl", token_lists, params, body.priority, "prompt")
+    jobs = _checked_jobs(engine, "cmpl", token_lists, params, body.priority, "prompt", grammar_param)
     echo = [engine.tokenizer.decode(ids) for ids in token_lists] if body.echo else None
     return PreparedCall(jobs, body.n, body.logprobs, echo)
 
@@ -118,9 +161,9 @@ def _check_chars(engine: ServingEngine, num_chars: int, param: str) -> None:
 
 
 def _checked_jobs(engine: ServingEngine, id_prefix: str, prompts: list[list[int]], params: SamplingParams,
-                  priority: int, prompt_param: str) -> list[Job]:
+                  priority: int, prompt_param: str, grammar_param: str | None = None) -> list[Job]:
     """One engine request per prompt, each checked once (length against the context, token ids against
-    the vocabulary) before anything is queued."""
+    the vocabulary, the output grammar against the tokenizer) before anything is queued."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     jobs = []
     for i, ids in enumerate(prompts):
@@ -128,6 +171,8 @@ def _checked_jobs(engine: ServingEngine, id_prefix: str, prompts: list[list[int]
             checked = engine.check_request(ids, params)
         except RequestTooLongError as exc:
             raise invalid(str(exc), prompt_param, code="context_length_exceeded") from exc
+        except GrammarError as exc:
+            raise invalid(str(exc), grammar_param) from exc
         except (SuduError, ValueError) as exc:
             raise invalid(str(exc), prompt_param) from exc
         jobs.append(Job(request_id if len(prompts) == 1 else f"{request_id}-{i}", checked, priority))

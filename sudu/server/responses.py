@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from sudu.engine.outputs import RequestOutput
 from sudu.server import protocol as P
+from sudu.server import tool_output
 from sudu.server.engine_protocol import ServingEngine
 from sudu.server.errors import EngineRequestError, failed_call
 from sudu.server.generation import generate_all
@@ -110,6 +111,7 @@ class Call:
         self.engine, self.metrics, self.is_draining = engine, metrics, is_draining
         jobs = self.jobs = prepared.jobs
         self.n, self.logprobs, self.echo = prepared.n, prepared.logprobs, prepared.echo
+        self.tool_format = prepared.tool_format
         self.model = model
         self.id = jobs[0].request_id.rsplit("-", 1)[0] if len(jobs) > 1 else jobs[0].request_id
         self.object = object_
@@ -194,14 +196,18 @@ class Call:
 
     async def chat_response(self) -> JSONResponse:
         texts, entries = await self._collect()
-        return self._json([
-            {
-                "index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                "logprobs": {"content": _chat_logprobs(entries[i])} if self.logprobs is not None else None,
-                "finish_reason": self.finish_reasons[i],
-            }
-            for i in range(len(texts))
-        ])
+        choices = []
+        for i in range(len(texts)):
+            text, reason = "".join(texts[i]), self.finish_reasons[i]
+            if self.tool_format is not None:
+                message, called = tool_output.message(text, self.tool_format)
+                reason = tool_output.finish_reason(reason, called)
+            else:
+                message = {"role": "assistant", "content": text}
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": _chat_logprobs(entries[i])} if self.logprobs is not None else None,
+                            "finish_reason": reason})
+        return self._json(choices)
 
     async def completion_response(self) -> JSONResponse:
         texts, entries = await self._collect()
@@ -221,14 +227,29 @@ class Call:
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
 
-        def choice(idx, text, logprobs, finish_reason):
+        tools = [tool_output.ChoiceStream(self.tool_format) for _ in self.num_tokens] if self.tool_format else None
+
+        def choices(idx, text, logprobs, finish_reason):
             rendered = None
             if logprobs is not None:
                 rendered = {"content": _chat_logprobs(logprobs)}
-            return {"index": idx, "delta": {"content": text} if text is not None else {}, "logprobs": rendered,
-                    "finish_reason": finish_reason}
+            if tools is None:
+                return [{"index": idx, "delta": {"content": text} if text is not None else {}, "logprobs": rendered,
+                         "finish_reason": finish_reason}]
+            stream = tools[idx]
+            deltas = stream.feed(text) if text else []
+            if finish_reason is not None:
+                deltas += stream.finish()
+                finish_reason = tool_output.finish_reason(finish_reason, stream.called)
+            if (rendered is not None or finish_reason is not None) and not deltas:
+                deltas = [{}]
+            out = [{"index": idx, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            if out:
+                out[0]["logprobs"] = rendered
+                out[-1]["finish_reason"] = finish_reason
+            return out
 
-        async for chunk in self._stream(options, choice):
+        async for chunk in self._stream(options, choices):
             yield chunk
 
     async def completion_stream(self, options: P.StreamOptions) -> AsyncIterator[bytes]:
@@ -239,16 +260,17 @@ class Call:
                 offsets[i].offset = len(prefix)
                 yield self._chunk([{"index": i, "text": prefix, "logprobs": None, "finish_reason": None}])
 
-        def choice(idx, text, logprobs, finish_reason):
+        def choices(idx, text, logprobs, finish_reason):
             rendered = offsets[idx].render(logprobs) if logprobs is not None else None
-            return {"index": idx, "text": text or "", "logprobs": rendered, "finish_reason": finish_reason}
+            return [{"index": idx, "text": text or "", "logprobs": rendered, "finish_reason": finish_reason}]
 
-        async for chunk in self._stream(options, choice):
+        async for chunk in self._stream(options, choices):
             yield chunk
 
-    async def _stream(self, options: P.StreamOptions, choice) -> AsyncIterator[bytes]:
+    async def _stream(self, options: P.StreamOptions, choices) -> AsyncIterator[bytes]:
         """Content chunks, a finish chunk per choice (with sudu's timing), the optional usage chunk and
-        [DONE]. choice(index, text | None, logprobs | None, finish_reason) renders one API's choice."""
+        [DONE]. choices(index, text | None, logprobs | None, finish_reason) renders one API's choices for
+        that piece: usually one, none while a tool call's text is held back, several when it settles."""
         want_logprobs = self.logprobs is not None
         running_usage = options.continuous_usage_stats
         try:
@@ -258,10 +280,14 @@ class Call:
                     for c in out.outputs:
                         idx = job_index * self.n + c.index
                         if c.text or (want_logprobs and c.logprobs):
-                            chunk = [choice(idx, c.text, (c.logprobs or []) if want_logprobs else None, None)]
-                            yield self._chunk(chunk, usage=self.usage()) if running_usage else self._chunk(chunk)
+                            for rendered in choices(idx, c.text, (c.logprobs or []) if want_logprobs else None, None):
+                                chunk = [rendered]
+                                yield self._chunk(chunk, usage=self.usage()) if running_usage else self._chunk(chunk)
                         if c.finish_reason is not None and out.error is None:
-                            yield self._chunk([choice(idx, None, None, c.finish_reason)], sudu=timing_body(out, now))
+                            rendered = choices(idx, None, None, c.finish_reason)
+                            for piece in rendered[:-1]:
+                                yield self._chunk([piece])
+                            yield self._chunk(rendered[-1:], sudu=timing_body(out, now))
                     if out.error is not None:
                         raise EngineRequestError(out.error)
             if options.include_usage:
