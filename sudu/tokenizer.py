@@ -192,7 +192,7 @@ def _field(source, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _render_content(content) -> str:
+def render_content(content) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -205,7 +205,7 @@ def _chat_message(message: dict) -> dict:
     """A message as templates expect it: OpenAI's `developer` role is the system role, content is text."""
     role = message.get("role")
     return dict(message, role="system" if role == "developer" else role,
-                content=_render_content(message.get("content")))
+                content=render_content(message.get("content")))
 
 
 @lru_cache(maxsize=16)

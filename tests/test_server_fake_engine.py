@@ -119,6 +119,7 @@ class FakeEngine:
                  max_model_len: int = 512):
         self.model_name = "fake-model"
         self.tokenizer = ByteTokenizer()
+        self.grammar_backend = None
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
         self.step_s = step_s

@@ -13,7 +13,7 @@ from tokenizers import models
 from sudu.errors import SuduError
 from sudu.tokenizer import CHATML_DEFAULT_CHAT_TEMPLATE, GEMMA_DEFAULT_CHAT_TEMPLATE, Tokenizer
 from sudu.tools import (ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser, check_tool_choice,
-                        check_tool_messages, check_tools, detect_format, fallback_messages, parameters_schema,
+                        check_tool_messages, check_tools, detect_format, fallback_messages,
                         parse_tool_calls, supports_tools, template_messages)
 
 
@@ -380,8 +380,6 @@ def test_fallback_messages_system_and_merging():
 def test_check_tools():
     check_tools([WEATHER_TOOL, TIME_TOOL])
     check_tools(None)
-    assert parameters_schema(TIME_TOOL) == {"type": "object", "properties": {}}
-    assert parameters_schema(WEATHER_TOOL) is WEATHER_TOOL["function"]["parameters"]
     bad = [
         ([], "non-empty list"),
         ({"type": "function"}, "non-empty list"),

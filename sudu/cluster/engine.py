@@ -22,6 +22,7 @@ from ray.serve.exceptions import BackPressureError
 
 from sudu.cluster.registry import router_for
 from sudu.engine.llm_engine import LLMEngine
+from sudu.structured.backend import GrammarBackend
 from sudu.engine.outputs import RequestOutput
 from sudu.engine.request import CheckedRequest
 from sudu.sampling import SamplingParams
@@ -47,6 +48,8 @@ class _Limits:
         self.max_model_len = info["max_model_len"]
         self.runner = SimpleNamespace(num_blocks=info["pool_tokens"] // block_size)
         self.config = SimpleNamespace(block_size=block_size)
+        # structured output: grammars are compiled here too, so a bad one is a 400 before routing
+        self.grammar_backend = GrammarBackend(info["tokenizer"], info["vocab_size"], info["eos_token_ids"])
 
     resolve_max_tokens = LLMEngine.resolve_max_tokens
     check_request = LLMEngine.check_request
@@ -63,6 +66,7 @@ class ClusterEngine:
         self.num_replicas = num_replicas
         self.max_in_flight = max_in_flight
         self._limits = _Limits(info, block_size)
+        self.grammar_backend = self._limits.grammar_backend
         self._calls: dict[str, object] = {}
         self._failed = asyncio.Event()
         self._accepting = True

@@ -40,7 +40,7 @@ class EngineReplica:
         eng = self.engine.engine
         return {"model_name": self.engine.model_name, "max_model_len": eng.max_model_len,
                 "vocab_size": eng.model_config.vocab_size, "pool_tokens": eng.runner.num_blocks * eng.config.block_size,
-                "tokenizer": eng.tokenizer}
+                "tokenizer": eng.tokenizer, "eos_token_ids": sorted(eng.eos_token_ids)}
 
     async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:

@@ -43,6 +43,7 @@ class AsyncLLMEngine:
         self.engine = engine or LLMEngine(config, progress=progress)
         self.config = config
         self.tokenizer = self.engine.tokenizer
+        self.grammar_backend = self.engine.grammar_backend
         self.model_name = config.model
         self.max_model_len = self.engine.max_model_len
         self.max_queue_len = max_queue_len
@@ -70,6 +71,9 @@ class AsyncLLMEngine:
             self._thread = threading.Thread(target=self._run, name="sudu-engine", daemon=True)
             self._thread.start()
             threading.Thread(target=self._watch_steps, name="sudu-engine-watchdog", daemon=True).start()
+            # the grammar engine's view of the vocabulary takes a moment to build: not on the first
+            # structured-output request's clock
+            threading.Thread(target=self.engine.grammar_backend.warm, name="sudu-grammar-warm", daemon=True).start()
 
     async def wait_failed(self) -> str:
         """Return (with the reason) once the engine cannot continue; never, while it can."""

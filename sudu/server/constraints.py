@@ -48,12 +48,15 @@ def output_grammar(body: P._SamplingFields) -> tuple[str | None, str | None]:
         raise invalid(str(exc), field) from None
 
 
-def tool_grammar(body: P.ChatCompletionRequest, fmt: str) -> str | None:
-    """The grammar that forces tool calls: every tool for "required", one for a named function."""
+def tool_grammar(body: P.ChatCompletionRequest, fmt: str, backend) -> str | None:
+    """The grammar that forces tool calls: every tool for "required", one for a named function. backend:
+    the engine's GrammarBackend (it knows whether the tool-call tags are tokens), None for none."""
     choice = body.tool_choice
     if not body.tools or choice in (None, "auto", "none"):
         return None
     functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
     if choice != "required":
         functions = [f for f in functions if f["name"] == choice.function.name]
-    return G.tool_calls_grammar(functions, body.parallel_tool_calls and choice == "required", fmt)
+    tags_are_tokens = backend is not None and backend.is_special_token(G.HERMES_OPEN) and \
+        backend.is_special_token(G.HERMES_CLOSE)
+    return G.tool_calls_grammar(functions, body.parallel_tool_calls and choice == "required", fmt, tags_are_tokens)

@@ -27,6 +27,7 @@ class ServingEngine(Protocol):
     model_name: str
     max_model_len: int
     tokenizer: ServingTokenizer
+    grammar_backend: object | None  # sudu.structured.backend.GrammarBackend; None: no constrained output
 
     async def start(self) -> None: ...
 

@@ -64,7 +64,7 @@ def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> Prepar
     messages = _user_check("messages", tool_messages.template_messages, messages)
     fmt = detect_format(template)
     grammar, grammar_param = output_grammar(body)
-    forced = tool_grammar(body, fmt)
+    forced = tool_grammar(body, fmt, engine.grammar_backend)
     if forced is not None:
         if grammar is not None:
             raise invalid(f"tool_choice {_tool_choice(body)!r} already constrains the output; drop {grammar_param}",

@@ -44,6 +44,15 @@ class GrammarBackend:
                     self._tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
             return self._ll_tokenizer
 
+    def warm(self) -> None:
+        """Build the vocabulary view now (servers do it at start, in a thread)."""
+        self.ll_tokenizer  # noqa: B018 -- the property builds it
+
+    def is_special_token(self, text: str) -> bool:
+        """Whether `text` is one special token to the grammar engine (a grammar names it as <text>)."""
+        token_id = self._tokenizer.token_to_id(text)
+        return token_id is not None and self.ll_tokenizer.is_special_token(token_id)
+
     def check(self, grammar: str) -> None:
         """Raise GrammarError unless `grammar` compiles and accepts at least one text."""
         self._start_matcher(grammar)

@@ -73,9 +73,11 @@ def tool_call_schema(function: dict, fmt: str = "hermes") -> dict:
             "required": ["name", key], "additionalProperties": False}
 
 
-def tool_calls_grammar(functions: list[dict], parallel: bool, fmt: str = "hermes") -> str:
+def tool_calls_grammar(functions: list[dict], parallel: bool, fmt: str = "hermes", tags_are_tokens: bool = False) -> str:
     """Output that is nothing but calls of `functions` (one, or one or more when `parallel`), each in the
-    model's tool-call syntax. Used for tool_choice "required" (every tool) and a named function (that one)."""
+    model's tool-call syntax. Used for tool_choice "required" (every tool) and a named function (that one).
+    tags_are_tokens: the tokenizer has `<tool_call>` and `</tool_call>` as special tokens (Qwen 2.5), which
+    the model writes as one token each; the grammar must then name the tokens, not their spelling."""
     if not functions:
         raise GrammarError("no tools to call")
     schemas = [tool_call_schema(f, fmt) for f in functions]
@@ -85,7 +87,10 @@ def tool_calls_grammar(functions: list[dict], parallel: bool, fmt: str = "hermes
         call = body
         separator = '";" '
     else:
-        call = f'"{HERMES_OPEN}\\n" {body} "\\n{HERMES_CLOSE}"'
+        if tags_are_tokens:
+            call = f'{HERMES_OPEN} "\\n" {body} "\\n" {HERMES_CLOSE}'
+        else:
+            call = f'"{HERMES_OPEN}\\n" {body} "\\n{HERMES_CLOSE}"'
         separator = '"\\n" '
     calls = f"call ({separator}call)*" if parallel else "call"
     return llguidance.LLMatcher.grammar_from_lark(f"start: {calls}\ncall: {call}\n")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 
-from sudu.tokenizer import _render_content
+from sudu.tokenizer import render_content
 
 _FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TOOL_CHOICES = ("none", "auto", "required")
@@ -102,7 +102,7 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
     for i, message in enumerate(messages):
         role = message.get("role")
         if role == "tool":
-            block = f"<tool_response>\n{_render_content(message.get('content'))}\n</tool_response>"
+            block = f"<tool_response>\n{render_content(message.get('content'))}\n</tool_response>"
             if tool_turn:
                 out[-1]["content"] += "\n" + block
             else:
@@ -110,7 +110,7 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
             tool_turn = True
             continue
         if role == "user" and tool_turn:
-            out[-1]["content"] += "\n\n" + _render_content(message.get("content"))
+            out[-1]["content"] += "\n\n" + render_content(message.get("content"))
             tool_turn = False
             continue
         tool_turn = False
@@ -120,23 +120,18 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
                                       _arguments(call["function"].get("arguments"),
                                                  f"messages[{i}].tool_calls[{j}].function.arguments"))
                       for j, call in enumerate(message.pop("tool_calls"))]
-            text = _render_content(message.get("content")).strip()
+            text = render_content(message.get("content")).strip()
             message["content"] = "\n".join(([text] if text else []) + blocks)
         out.append(message)
     if tools:
         instructions = _FALLBACK_INSTRUCTIONS.format(
             tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
         if out and out[0].get("role") in ("system", "developer"):
-            system = _render_content(out[0].get("content"))
+            system = render_content(out[0].get("content"))
             out[0] = dict(out[0], role="system", content=f"{system}\n\n{instructions}" if system else instructions)
         else:
             out.insert(0, {"role": "system", "content": instructions})
     return out
-
-
-def parameters_schema(tool: dict) -> dict:
-    """A checked tool's parameter schema; a tool without one takes no arguments."""
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
 def check_tools(tools) -> None:
