@@ -78,7 +78,7 @@ def register_cli(subparsers) -> None:
 
     p = suites.add_parser("tasks", help="checked end-to-end tasks, timed to a passing answer")
     _common(p)
-    p.add_argument("--tasks", default="all", help="comma-separated: retrieval,palindrome,sql,svg,async_refactor")
+    p.add_argument("--tasks", default="all", help="comma-separated: retrieval,palindrome,sql,svg,async_refactor,tool_loop")
     p.add_argument("--repeat", type=int, default=1, help="runs of each task")
     p.add_argument("--attempts", type=int, default=3, help="calls per task before it counts as failed")
     p.add_argument("--context-len", type=int, default=None,

@@ -8,6 +8,9 @@ Per content chunk the client keeps what it can learn about its token count: the 
 with `stream_options.continuous_usage_stats`), the model tokenizer's count of the chunk's text when a
 `count_tokens` callable is given, and the text's length. `metrics.chunk_token_counts` decides from
 these, and says which it used.
+
+Tool calls streamed as `delta.tool_calls` (id, type and name first, then the arguments in pieces, keyed
+by `index`) are assembled into `RequestRecord.tool_calls`; their chunks are output chunks like content.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class RequestRecord:
     finish_s: float | None = None  # the chunk carrying finish_reason
     done_s: float | None = None  # body fully read
     text: str = ""
+    tool_calls: list[dict] | None = None  # [{"id", "type", "function": {"name", "arguments"}}] by index
     finish_reason: str | None = None
     usage: dict | None = None
     sudu: dict | None = None  # sudu's timing breakdown (final usage / finish chunk)
@@ -186,6 +190,27 @@ def _server_token_count(chunk: dict, choice: dict, prev_completion_tokens: list[
     return None, None
 
 
+def add_tool_call_deltas(calls: dict[int, dict], deltas: list) -> str:
+    """Merge one chunk's `delta.tool_calls` into `calls` (by index: the id, type and name when they come,
+    the arguments appended); returns the text the chunk carried (names and argument pieces)."""
+    carried = ""
+    for d in deltas:
+        if not isinstance(d, dict):
+            continue
+        index = d.get("index") if isinstance(d.get("index"), int) else len(calls)
+        call = calls.setdefault(index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        if d.get("id"):
+            call["id"] = d["id"]
+        if d.get("type"):
+            call["type"] = d["type"]
+        fn = d.get("function") or {}
+        for key in ("name", "arguments"):
+            if isinstance(fn.get(key), str):
+                call["function"][key] += fn[key]
+                carried += fn[key]
+    return carried
+
+
 async def stream_chat(
     client: httpx.AsyncClient,
     base: str,
@@ -200,6 +225,7 @@ async def stream_chat(
     record.max_tokens = body.get("max_tokens")
     record.prompt_chars = sum(len(m.get("content") or "") for m in body.get("messages", []))
     text_parts: list[str] = []
+    calls: dict[int, dict] = {}
     prev_completion_tokens = [0]
     kinds: set[str] = set()
     if count_tokens is not None:
@@ -257,9 +283,10 @@ async def stream_chat(
                         record.sudu = chunk["sudu"]
                     for choice in chunk.get("choices") or ():
                         delta = choice.get("delta") or {}
-                        piece = delta.get("content") or delta.get("reasoning_content") or ""
+                        text = delta.get("content") or delta.get("reasoning_content") or ""
+                        piece = text + (add_tool_call_deltas(calls, delta["tool_calls"]) if delta.get("tool_calls") else "")
                         if piece:
-                            text_parts.append(piece)
+                            text_parts.append(text)
                             k, kind = _server_token_count(chunk, choice, prev_completion_tokens)
                             if kind:
                                 kinds.add(kind)
@@ -277,6 +304,8 @@ async def stream_chat(
         err = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         record.error = err if record.error is None else f"{record.error}; then {err}"
     record.text = "".join(text_parts)
+    if calls:
+        record.tool_calls = [calls[i] for i in sorted(calls)]
     record.chunk_server_kind = "+".join(sorted(kinds)) or None
     if record.error is None and not saw_done and record.finish_reason is None:
         record.error = "stream ended without finish_reason or [DONE]"

@@ -37,7 +37,7 @@ def _chunk(model: str, delta: dict | None = None, finish_reason: str | None = No
 
 
 def chat_script(
-    pieces: list[tuple[float, str]],
+    pieces: list[tuple[float, str | dict]],
     *,
     role_at_s: float | None = 0.0,
     usage: dict | None = None,
@@ -48,16 +48,18 @@ def chat_script(
     continuous_usage_tokens: list[int] | None = None,
     headers_at_s: float = 0.0,
     headers: dict | None = None,
+    finish_reason: str = "stop",
 ) -> ScriptedResponse:
-    """A streaming answer: an optional role-only first chunk, content `pieces` (offset, text), a finish
-    chunk, a usage chunk when `usage` is given, and [DONE]. `logprob_tokens[i]` attaches that many
+    """A streaming answer: an optional role-only first chunk, `pieces` (offset, content text or a whole
+    delta dict, e.g. from `tool_call_deltas`), a finish chunk, a usage chunk when `usage` is given, and
+    [DONE]. `logprob_tokens[i]` attaches that many
     logprob entries to piece i, `continuous_usage_tokens[i]` a running usage that grew by that much with
     piece i (two ways for a server to tell how many tokens a chunk carries)."""
     events: list[Event] = []
     if role_at_s is not None:
         events.append(Event(role_at_s, _chunk(model, {"role": "assistant", "content": ""})))
-    for i, (at, text) in enumerate(pieces):
-        c = _chunk(model, {"content": text})
+    for i, (at, piece) in enumerate(pieces):
+        c = _chunk(model, piece if isinstance(piece, dict) else {"content": piece})
         if logprob_tokens is not None:
             c["choices"][0]["logprobs"] = {"content": [{"token": "t", "logprob": 0.0}] * logprob_tokens[i]}
         if continuous_usage_tokens is not None:
@@ -65,7 +67,7 @@ def chat_script(
             c["usage"] = {"prompt_tokens": 3, "completion_tokens": done, "total_tokens": 3 + done}
         events.append(Event(at, c))
     end = finish_at_s if finish_at_s is not None else (pieces[-1][0] if pieces else 0.0)
-    finish = _chunk(model, {}, "stop")
+    finish = _chunk(model, {}, finish_reason)
     if sudu is not None:
         finish["sudu"] = sudu
     events.append(Event(end, finish))
@@ -76,6 +78,18 @@ def chat_script(
         events.append(Event(end, u))
     events.append(Event(end, "[DONE]"))
     return ScriptedResponse(events=events, headers_at_s=headers_at_s, headers=headers or {})
+
+
+def tool_call_deltas(calls: list[tuple[str, str]], piece_chars: int = 7, id_prefix: str = "call_") -> list[dict]:
+    """`delta`s streaming tool calls (name, arguments JSON) as OpenAI does: per call, one delta with its
+    index, id, type and name (arguments ""), then the arguments in pieces of `piece_chars`."""
+    out = []
+    for i, (name, arguments) in enumerate(calls):
+        out.append({"tool_calls": [{"index": i, "id": f"{id_prefix}{i}", "type": "function",
+                                    "function": {"name": name, "arguments": ""}}]})
+        out += [{"tool_calls": [{"index": i, "function": {"arguments": arguments[k:k + piece_chars]}}]}
+                for k in range(0, len(arguments), piece_chars)]
+    return out
 
 
 def instant_script(body: dict, num_chunks: int = 8) -> ScriptedResponse:

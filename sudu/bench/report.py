@@ -115,6 +115,9 @@ def task_summaries(results: list[dict]) -> list[dict]:
             "calls": sum(r["calls"] for r in rs),
             "last_detail": rs[-1]["detail"],
         })
+        if any("tool_calls" in r for r in rs):
+            out[-1]["tool_rounds"] = sum(r.get("tool_rounds", 0) for r in rs)
+            out[-1]["tool_calls"] = sum(r.get("tool_calls", 0) for r in rs)
     return out
 
 
@@ -245,7 +248,9 @@ def task_rows(report: dict) -> tuple[list[str], list[list[str]]]:
         ci = "-" if s.get("ci_low") is None else f"[{s['ci_low']:.2f}, {s['ci_high']:.2f}]"
         rows.append([t["task"], _num(t.get("pass_at_1"), "{:.2f}"), f"{t['passed']}/{t['runs']}",
                      _num(s.get("median"), "{:.2f}"), ci,
-                     _num((t.get("first_attempt_task_time_s") or {}).get("median"), "{:.2f}"), str(t["calls"]),
+                     _num((t.get("first_attempt_task_time_s") or {}).get("median"), "{:.2f}"),
+                     str(t["calls"]) + (f" ({t['tool_calls']} tool calls in {t['tool_rounds']} rounds)"
+                                        if "tool_calls" in t else ""),
                      t["last_detail"][:80]])
     return header, rows
 

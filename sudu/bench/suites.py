@@ -75,13 +75,16 @@ class Ctx:
 
 
 async def send(ctx: Ctx, group: str, cache_state: str, messages: list[dict], max_tokens: int,
-               warmup: bool = False, task: str | None = None) -> RequestRecord:
+               warmup: bool = False, task: str | None = None, extra: dict | None = None) -> RequestRecord:
+    """One streamed request; `extra` adds (or overrides) body fields: `tools`, `response_format`, ..."""
     rec = RequestRecord(request_id=next(ctx.ids), group=group, cache_state=cache_state, warmup=warmup, task=task)
     body = chat_body(ctx.model, messages, max_tokens, **SAMPLING, **ctx.extra_body)
+    body.update(extra or {})
     async with ctx.pool.acquire() as client:
         await stream_chat(client, ctx.base, body, ctx.headers, rec, ctx.count_tokens)
     rec.metrics = request_metrics(rec)
-    if ctx.count_tokens is not None and rec.ok:
+    # a tool call's tokens include the model's call syntax, which the text assembled here does not hold
+    if ctx.count_tokens is not None and rec.ok and not rec.tool_calls:
         rec.metrics["output_tokens_recounted"] = ctx.count_tokens(rec.text)
     ctx.run.records.append(rec)
     if ctx.on_done is not None:
@@ -224,42 +227,76 @@ def retry_message(detail: str) -> str:
             "in the requested format.")
 
 
+def tool_turn(rec: RequestRecord, run_tool: Callable[[str, str], str]) -> list[dict]:
+    """The assistant message with its tool calls and one `role: "tool"` result per call, executed here."""
+    calls = []
+    for i, call in enumerate(rec.tool_calls or ()):
+        calls.append({"id": call.get("id") or f"call_{rec.request_id}_{i}", "type": "function",
+                      "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}})
+    turn = [{"role": "assistant", "content": rec.text or None, "tool_calls": calls}]
+    turn += [{"role": "tool", "tool_call_id": c["id"], "content": run_tool(c["function"]["name"], c["function"]["arguments"])}
+             for c in calls]
+    return turn
+
+
 async def run_tasks(ctx: Ctx, names: list[str], repeat: int, attempts: int, context_len: int,
                     retrieval_fraction: float, warmups: int, seed: int,
                     on_task_done: Callable[[dict], None] | None = None) -> None:
     """Each task: start the clock, ask, check; on failure send the checker's verdict back and ask again
-    (up to `attempts` calls, every one counted). Time stops when an answer passes the checker.
+    (up to `attempts` attempts, every call counted). Time stops when an answer passes the checker.
 
-    First attempts are cold (group "task <name>"). A retry resends the whole conversation so far, which
-    the server has just seen: its requests go to their own group, "task <name> retries", declared
-    shared-prefix, so that cold figures never mix with reused ones."""
+    A task with tools sends them with every request; within an attempt, an answer that calls tools gets
+    their results (executed here) and the model is called again, up to `max_tool_rounds` times, until it
+    answers with text, which is then checked.
+
+    First calls are cold (group "task <name>"). A retry resends the whole conversation so far, which the
+    server has just seen: its requests go to their own group, "task <name> retries", declared
+    shared-prefix, and so do the calls after a tool result ("task <name> tool rounds"), so that cold
+    figures never mix with reused ones."""
     await warmup(ctx, warmups)
     for name in names:
-        first_group, retry_group = f"task {name}", f"task {name} retries"
+        first_group, retry_group, tool_group = f"task {name}", f"task {name} retries", f"task {name} tool rounds"
         ctx.run.groups.append(Group(first_group, "cold", {"task": name}))
-        retries = Group(retry_group, "shared-prefix", {"task": name})
+        later = {g: Group(g, "shared-prefix", {"task": name}) for g in (retry_group, tool_group)}
         for r in range(repeat):
             inst = build_task(name, context_len, seed + r, retrieval_fraction)
             if r == 0:
                 prompt_set = prompt_set_id(f"task-{name}", [m["content"] for m in inst.messages])
-                ctx.run.groups[-1].params["prompt_set"] = retries.params["prompt_set"] = prompt_set
+                ctx.run.groups[-1].params["prompt_set"] = prompt_set
+                for g in later.values():
+                    g.params["prompt_set"] = prompt_set
+            extra = {"tools": inst.tools} if inst.tools else None
             messages = make_messages("cold", inst.messages[0]["content"]) + inst.messages[1:]
             result = {"task": name, "repeat": r, "passed": False, "passed_first": False, "task_time_s": None,
                       "first_call_s": None, "calls": 0, "model_time_s": 0.0, "output_tokens": 0, "detail": "",
                       "info": inst.info}
+            if inst.tools:
+                result.update(tool_rounds=0, tool_calls=0)
             t0 = time.perf_counter()
             for attempt in range(attempts):
-                if attempt == 1 and retries not in ctx.run.groups:
-                    ctx.run.groups.append(retries)
                 group, state = (first_group, "cold") if attempt == 0 else (retry_group, "shared-prefix")
-                rec = await send(ctx, group, state, messages, inst.max_tokens, task=name)
-                result["calls"] += 1
-                result["model_time_s"] += rec.done_s or 0.0
-                result["output_tokens"] += rec.metrics.get("output_tokens") or 0
-                if attempt == 0:
-                    result["first_call_s"] = rec.done_s
+                rounds = 0
+                while True:
+                    if group in later and later[group] not in ctx.run.groups:
+                        ctx.run.groups.append(later[group])
+                    rec = await send(ctx, group, state, messages, inst.max_tokens, task=name, extra=extra)
+                    result["calls"] += 1
+                    result["model_time_s"] += rec.done_s or 0.0
+                    result["output_tokens"] += rec.metrics.get("output_tokens") or 0
+                    if result["first_call_s"] is None:
+                        result["first_call_s"] = rec.done_s
+                    if not (rec.ok and rec.tool_calls and inst.run_tool) or rounds == inst.max_tool_rounds:
+                        break
+                    rounds += 1
+                    result["tool_rounds"] += 1
+                    result["tool_calls"] += len(rec.tool_calls)
+                    messages = messages + tool_turn(rec, inst.run_tool)
+                    group, state = tool_group, "shared-prefix"
                 if not rec.ok:
                     result["detail"] = f"request failed: {rec.error}"
+                    break
+                if rec.tool_calls and inst.run_tool:
+                    result["detail"] = f"no answer after {rounds} tool rounds: still calling tools"
                     break
                 verdict = inst.check(rec.text)
                 result["detail"] = verdict.detail

@@ -4,7 +4,9 @@ answer fails, so it can never count as a fast one.
 
 Tasks: retrieval (a fact hidden in a long document), palindrome (Python, run against tests in a
 subprocess), sql (executed against an sqlite3 fixture), svg (well-formed, required elements),
-async_refactor (a blocking program rewritten with asyncio, run and timed)."""
+async_refactor (a blocking program rewritten with asyncio, run and timed), tool_loop (an answer reached by
+calling tools that the runner executes: `tools` in the request, tool results sent back, until the model
+answers)."""
 from __future__ import annotations
 
 import re
@@ -27,6 +29,9 @@ class TaskInstance:
     check: Callable[[str], CheckResult]
     max_tokens: int = 1024
     info: dict | None = None  # e.g. the retrieval document's length and the fact's depth
+    tools: list[dict] | None = None  # OpenAI `tools` sent with every request of the task
+    run_tool: Callable[[str, str], str] | None = None  # (name, arguments JSON) -> the tool message's content
+    max_tool_rounds: int = 0  # tool results sent back per attempt before the attempt fails
 
 
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
@@ -56,14 +61,16 @@ CODE_TASKS = ("palindrome", "async_refactor")  # their answers are executed (san
 
 
 def task_names() -> tuple[str, ...]:
-    return ("retrieval", "palindrome", "sql", "svg", "async_refactor")
+    return ("retrieval", "palindrome", "sql", "svg", "async_refactor", "tool_loop")
 
 
 def build_task(name: str, context_len: int, seed: int = 0, retrieval_fraction: float = 0.5) -> TaskInstance:
-    from sudu.bench.tasks import async_refactor, palindrome, retrieval, sql, svg
+    from sudu.bench.tasks import async_refactor, palindrome, retrieval, sql, svg, tool_loop
 
     if name == "retrieval":
         return retrieval.build(context_len, seed, retrieval_fraction)
+    if name == "tool_loop":
+        return tool_loop.build(seed)
     builders = {"palindrome": palindrome.build, "sql": sql.build, "svg": svg.build, "async_refactor": async_refactor.build}
     if name not in builders:
         raise SuduError(f"unknown task {name!r}; tasks: {', '.join(task_names())}")
