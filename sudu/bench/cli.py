@@ -1,4 +1,4 @@
-"""`sudu bench {single,throughput,cache,tasks,conversation,compare}`: flags, and the run around a suite: target
+"""`sudu bench {single,throughput,cache,tasks,conversation,structured,compare}`: flags, and the run around a suite: target
 resolution (--url, or a local `sudu serve` started and stopped here), server info, token recount hook,
 progress bar, and the report written at the end, or marked partial when Ctrl-C interrupts the run."""
 from __future__ import annotations
@@ -100,6 +100,16 @@ def register_cli(subparsers) -> None:
                    help="with no --url: after every session's turn K, stop the local server and start it again")
     p.set_defaults(func=cmd_suite, warmup=0)
 
+    p = suites.add_parser("structured", help="JSON-schema constrained answers (response_format), each validated: "
+                          "validity rate, latency, throughput")
+    _common(p)
+    p.add_argument("-n", "--num-requests", type=int, default=30, help="requests, cycling through the schemas")
+    p.add_argument("--schemas", default="all", help="comma-separated: person,order,weather,event,review,service_config")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (closed loop)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, seed = --seed + index")
+    p.set_defaults(func=cmd_suite)
+
     p = suites.add_parser("compare", help="A/B ratios with bootstrap CIs between two JSON reports")
     p.add_argument("a", metavar="A.json")
     p.add_argument("b", metavar="B.json")
@@ -145,6 +155,17 @@ def validate(args) -> dict:
         if args.attempts < 1 or args.repeat < 1:
             raise SuduError("--attempts and --repeat must be >= 1")
         check_code_tasks(args)
+    if args.suite == "structured":
+        from sudu.bench.structured import load_validator_class, schema_names
+
+        names = list(schema_names()) if args.schemas == "all" else [t.strip() for t in args.schemas.split(",") if t.strip()]
+        unknown = [n for n in names if n not in schema_names()]
+        if unknown or not names:
+            raise SuduError(f"unknown schema(s) {', '.join(unknown) or '(none)'}; schemas: {', '.join(schema_names())}")
+        args.schema_list = names
+        if args.concurrency < 1 or args.max_tokens < 1 or args.temperature < 0:
+            raise SuduError("--concurrency and --max-tokens must be >= 1, --temperature >= 0")
+        load_validator_class()
     if args.suite == "conversation":
         if args.users < 1 or args.turns < 1 or args.team_size < 1 or args.answer_tokens < 1:
             raise SuduError("--users, --turns, --team-size and --answer-tokens must be >= 1")
@@ -209,7 +230,8 @@ def _config(args) -> dict:
     skip = {"func", "api_key"}
     config = {k: v for k, v in vars(args).items()
               if k not in skip and isinstance(v, (str, int, float, bool, list, dict, type(None)))}
-    return {**config, "sampling": dict(SAMPLING)}
+    sampling = {"temperature": args.temperature} if args.suite == "structured" else dict(SAMPLING)
+    return {**config, "sampling": sampling}
 
 
 def execute(args, slo: dict, overhead: dict | None = None) -> int:
@@ -252,6 +274,8 @@ def planned_requests(args) -> int:
         return 4 * args.num_requests * len(args.length_list) + len(args.length_list)
     if args.suite == "conversation":
         return args.users * args.turns
+    if args.suite == "structured":
+        return args.warmup + args.num_requests
     return args.warmup + len(args.task_list) * args.repeat
 
 
@@ -290,6 +314,11 @@ async def run_suite(args, run) -> None:
                                             args.output_len, args.arrival, args.burstiness, args.seed)
             elif args.suite == "cache":
                 await suites.run_cache(ctx, args.length_list, args.num_requests, args.max_tokens, args.seed)
+            elif args.suite == "structured":
+                from sudu.bench.structured import run_structured
+
+                await run_structured(ctx, suites.send, args.schema_list, args.num_requests, args.concurrency,
+                                     args.max_tokens, args.temperature, args.warmup, args.seed)
             elif args.suite == "conversation":
                 from sudu.bench.conversation import ConversationOptions, run_conversation
 

@@ -129,10 +129,22 @@ def conversation_summary(run) -> dict | None:
     return {**summarize(run.sessions, run.config.get("restart_after_turn")), "session_runs": run.sessions}
 
 
+def structured_summary(run) -> dict | None:
+    if not run.structured:
+        return None
+    from sudu.bench.structured import summarize
+
+    return {**summarize(run.structured), "answers": run.structured}
+
+
 def build_report(run, slo: dict | None = None) -> dict:
     slo = slo or {}
     groups = [group_summary(run, g, slo) for g in run.groups]
     flags = [f for g in groups for f in g["flags"]]
+    structured = structured_summary(run)
+    if structured and structured["valid"] < structured["n"]:
+        flags.append(f"structured: {structured['n'] - structured['valid']} of {structured['n']} answers not valid "
+                     f"under their schema (first: {structured['first_error']})")
     if run.overhead and not run.overhead.get("meets_targets"):
         flags.append("client self-test: the client missed its own targets (see client_overhead)")
     return {
@@ -152,6 +164,7 @@ def build_report(run, slo: dict | None = None) -> dict:
         "tasks": task_summaries(run.task_results),
         "task_runs": run.task_results,
         "conversation": conversation_summary(run),
+        "structured": structured,
         "flags": flags,
         "notes": run.notes + [f"{g['name']}: {n}" for g in groups for n in g["notes"]],
         "records": [r.to_dict() for r in run.records],
@@ -287,6 +300,11 @@ def markdown_summary(report: dict) -> str:
 
         parts += ["## Conversation: per turn (cached share = cached / prompt tokens, as the server reported)",
                   markdown(report["conversation"])]
+    if report.get("structured"):
+        from sudu.bench.structured import markdown
+
+        parts += ["## Structured output: answers valid under their JSON schema (jsonschema)",
+                  markdown(report["structured"])]
     oh = report.get("client_overhead")
     if oh:
         parts += ["## Client self-test",

@@ -1,8 +1,8 @@
 """The suites of sudu bench and the run state they fill: `single` (one short cold chat turn, repeated),
 `throughput` (a sweep over concurrency levels and/or request rates), `cache` (TTFT cold vs warm vs
 shared-prefix at several prompt lengths) and `tasks` (checked end-to-end tasks, timed to a passing
-answer). Every request lands in Run.records as soon as it finishes, so an interrupted run still has
-everything measured so far."""
+answer); `conversation` and `structured` live in their own files. Every request lands in Run.records
+as soon as it finishes, so an interrupted run still has everything measured so far."""
 from __future__ import annotations
 
 import asyncio
@@ -50,6 +50,7 @@ class Run:
     groups: list[Group] = field(default_factory=list)
     task_results: list[dict] = field(default_factory=list)
     sessions: list[dict] = field(default_factory=list)  # the conversation suite's per-session results
+    structured: list[dict] = field(default_factory=list)  # the structured suite's per-answer validation
     server_info: dict = field(default_factory=dict)
     token_recount: str = ""
     overhead: dict | None = None
