@@ -201,7 +201,7 @@ def check_code_tasks(args) -> None:
     code = [t for t in args.task_list if t in CODE_TASKS]
     if not code:
         return
-    others = ",".join(t for t in args.task_list if t not in CODE_TASKS) or "retrieval,sql,svg"
+    others = ",".join(t for t in args.task_list if t not in CODE_TASKS) or "retrieval,sql,svg,tool_loop"
     problem = sandbox_problem()
     if problem:
         raise SuduError(f"refusing to run the code tasks ({', '.join(code)}) without a sandbox: {problem}; "
