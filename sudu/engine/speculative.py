@@ -365,7 +365,8 @@ class Speculator:
         finishing = [s.seq for s in scheduled if s.samples and s.seq.num_output_tokens == 0]
         if finishing:
             self.drafter.prefill(finishing)
-        decoding = [s for s in scheduled if s.samples and s.num_new_tokens == 1 and s.seq.num_output_tokens > 0]
+        # decoding: every new token is an output token (one sampled, or a few a grammar forced: drafts go after them)
+        decoding = [s for s in scheduled if s.samples and 0 < s.num_new_tokens <= s.seq.num_output_tokens]
         if not decoding or not self.controller.active(num_running):
             return {}
         spare = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
@@ -379,9 +380,10 @@ class Speculator:
             if s.seq.grammar is not None:  # structured output: cut at the first token the grammar rejects
                 n = cut_draft(s.seq.grammar, d.token_ids)
                 d = Draft(d.token_ids[:n], d.probs[:n] if d.probs is not None else None)
-            if d.token_ids and block_manager.can_allocate(s.seq, 1 + len(d.token_ids)):
-                block_manager.allocate(s.seq, 1 + len(d.token_ids))
-                s.num_new_tokens = 1 + len(d.token_ids)
+            n = s.num_new_tokens + len(d.token_ids)
+            if d.token_ids and block_manager.can_allocate(s.seq, n):
+                block_manager.allocate(s.seq, n)
+                s.num_new_tokens = n
                 s.draft_token_ids = d.token_ids
                 drafts[s.seq.seq_id] = d
         return drafts

@@ -15,5 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate the first `heads` heads of x [T, heads_total, D] in place (rotate-half)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax of float32 [R, V], as torch.argmax(dim=-1)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "logits of tokens a grammar's bitmask disallows to -inf, in place");
   m.def("llama_decode", &llama_decode, "a llama-family decode step's decoder stack in one call (decoder.cpp)");
 }

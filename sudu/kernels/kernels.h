@@ -18,6 +18,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 torch::Tensor silu_mul(torch::Tensor gu);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 torch::Tensor argmax_rows(torch::Tensor x);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask);
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
                            std::vector<torch::Tensor> v_scales, torch::Tensor slot_mapping, torch::Tensor rows,

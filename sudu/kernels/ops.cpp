@@ -8,7 +8,9 @@
 #include <immintrin.h>
 
 #include "simd.h"
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <tuple>
 
@@ -182,4 +184,36 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * V, V);
   });
   return out;
+}
+
+// Structured output: the logits of tokens a grammar disallows to -inf, in place. bitmask [R, W] int32, bit b of
+// word w = token 32 * w + b allowed (llguidance's layout); logits [R, V] float32 with unit stride along V. A
+// whole word at a time: all-ones words (most of a permissive mask) are skipped, all-zeros words (most of a
+// strict one) are filled without testing bits.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.stride(1) == 1,
+              "logits must be float32 [R, V] with unit stride along V");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt && bitmask.is_contiguous() &&
+                  bitmask.size(0) == logits.size(0),
+              "bitmask must be contiguous int32 [R, W] with R = logits' rows");
+  const int64_t R = logits.size(0), V = logits.size(1), W = bitmask.size(1), ls = logits.stride(0);
+  const int64_t words = std::min(W, (V + 31) / 32);
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = lp + r * ls;
+    const uint32_t* m = mp + r * W;
+    for (int64_t w = 0; w < words; ++w) {
+      const uint32_t bits = m[w];
+      if (bits == 0xFFFFFFFFu) continue;
+      const int64_t base = w * 32, n = std::min<int64_t>(32, V - base);
+      if (bits == 0) {
+        std::fill(row + base, row + base + n, ninf);
+        continue;
+      }
+      for (int64_t b = 0; b < n; ++b)
+        if (!((bits >> b) & 1u)) row[base + b] = ninf;
+    }
+  }
 }

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
+from sudu import kernels
 from sudu.structured.backend import allowed_ids
 
 MAX_FORCED_TOKENS = 64  # per step and sequence: bounds the time one step spends walking a grammar
@@ -31,8 +31,8 @@ class PendingMasks:
         self._rows: dict[int, torch.Tensor | Exception] | None = None
 
     def rows(self, seq) -> torch.Tensor | Exception | None:
-        """[k + 1, vocab] bool, True where a token is disallowed (None: the sequence is unconstrained; an
-        exception: its grammar failed, which fails its request)."""
+        """[k + 1, words] int32 bitmask rows, bit i of word i // 32 set where token i is allowed (None: the
+        sequence is unconstrained; an exception: its grammar failed, which fails its request)."""
         if self._rows is None:
             self._rows = self._future.result()
         return self._rows.get(seq.seq_id)
@@ -55,33 +55,40 @@ class GrammarMasks:
         out: dict[int, torch.Tensor | Exception] = {}
         for seq, draft in jobs:
             try:
-                out[seq.seq_id] = self._disallowed(seq.grammar, draft)
+                out[seq.seq_id] = self._bitmask(seq.grammar, draft)
             except Exception as exc:  # noqa: BLE001 -- this request's own failure
                 out[seq.seq_id] = exc
         return out
 
-    def _disallowed(self, matcher, draft: list[int]) -> torch.Tensor:
-        words = np.zeros((len(draft) + 1, self._words), dtype=np.int32)
+    def _bitmask(self, matcher, draft: list[int]) -> torch.Tensor:
+        words = torch.zeros((len(draft) + 1, self._words), dtype=torch.int32)
+        row_bytes = self._words * 4
         for i in range(len(draft) + 1):
-            row = words[i]
-            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            matcher.unsafe_compute_mask_ptr(words.data_ptr() + i * row_bytes, row_bytes)
             if i < len(draft) and not matcher.consume_token(draft[i]):
                 raise RuntimeError(f"grammar error: {matcher.get_error()}")
         if draft and not matcher.rollback(len(draft)):
             raise RuntimeError(f"grammar error: {matcher.get_error()}")
-        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
-        if not matcher.is_accepting() and not bits[0].any():
+        if matcher.is_error() or not bool(words[0].any()):
             raise RuntimeError(f"the grammar allows no next token: {matcher.get_error() or 'dead end'}")
-        return torch.from_numpy(bits == 0)
+        return words
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_masks(logits: torch.Tensor, disallowed: torch.Tensor) -> None:
-    """Disallowed tokens to -inf, in place (logits [rows, >= vocab]; ids past the mask stay allowed only if
-    the grammar's vocabulary covers them, which it does: it is built at the logits' width)."""
-    logits[:, : disallowed.shape[1]].masked_fill_(disallowed.to(logits.device), float("-inf"))
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens to -inf, in place. logits [rows, vocab]; bitmask [rows, words] int32 as `rows()`
+    gives it (the grammar's vocabulary is built at the logits' width, so every id has a bit)."""
+    with torch.inference_mode():  # the runner's logits (and views of them) are inference tensors
+        ext = kernels.load() if logits.is_cpu else None
+        if ext is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            ext.apply_token_bitmask(logits, bitmask)
+            return
+        vocab = logits.shape[1]
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
 def cut_draft(matcher, token_ids: list[int]) -> int:
