@@ -16,6 +16,7 @@ from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
 from sudu.structured import grammars as G
 from sudu.structured.grammars import GrammarError
+from sudu.structured.masks import GrammarMasks
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,15 @@ def test_mixed_batch_equals_each_request_alone(llm):
     alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     assert together == alone
     assert together[1] != together[0]  # the free rows were not constrained
+    # the other way to compute masks (beside the forward pass, or after it): the same tokens
+    engine = llm.engine
+    default = engine.grammar_masks
+    engine.grammar_masks = GrammarMasks(engine.grammar_backend.vocab_size, overlap=default._pool is None)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == together
+    finally:
+        engine.grammar_masks.close()
+        engine.grammar_masks = default
 
 
 def test_forced_tokens_are_appended_without_model_steps(llm):

@@ -80,7 +80,8 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(ckpt.config.eos_token_id)
         self.grammar_backend = GrammarBackend(self.tokenizer, ckpt.config.vocab_size, sorted(self.eos_token_ids))
-        self.grammar_masks = GrammarMasks(ckpt.config.vocab_size)
+        # off the CPU the forward pass leaves the CPU's cores to the mask thread
+        self.grammar_masks = GrammarMasks(ckpt.config.vocab_size, None if self.runner.device.type == "cpu" else True)
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
@@ -355,8 +356,9 @@ class LLMEngine:
             self._append_token(seq, tok)
             if seq.is_finished:
                 return
-        # the last token and the accepted drafts now have valid KV; the rejected drafts' slots are dead
-        seq.num_computed_tokens = computed_before + len(tokens)
+        # the tokens before the draft (the last sampled one, and any a grammar forced after it) and the accepted
+        # drafts now have valid KV; the rejected drafts' slots are dead
+        seq.num_computed_tokens = computed_before + s.num_new_tokens - len(s.draft_token_ids) - 1 + len(tokens)
         self.block_manager.trim(seq, seq.num_tokens)
         self.block_manager.commit(seq)
 

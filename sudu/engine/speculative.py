@@ -34,6 +34,7 @@ from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
 from sudu.layers.sampler import SampledToken, SamplingRow, apply_penalties, argmax_rows, filter_logits
+from sudu.layers.attention import SMALL_Q
 from sudu.structured.masks import cut_draft
 
 
@@ -372,7 +373,8 @@ class Speculator:
         spare = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
         ks = []
         for s in decoding:
-            k = min(self.controller.draft_len(s.seq), max(spare, 0))
+            # the step stays in the few-new-token attention path (row numbers independent of the step's size)
+            k = max(0, min(self.controller.draft_len(s.seq), spare, SMALL_Q - s.num_new_tokens))
             spare -= k
             ks.append(k)
         drafts = {}

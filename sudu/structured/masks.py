@@ -1,10 +1,13 @@
 """Constrained decoding inside the engine's step: token masks, drafts cut to the grammar, forced tokens.
 
 - `GrammarMasks.start` runs right after scheduling: for every sequence of the batch that samples this
-  step and carries a grammar, a worker thread computes the rows of allowed tokens (one per logit row: the
-  last token's, and one after each draft token, the draft consumed and rolled back) while the forward
-  pass runs. `PendingMasks.apply` then sets every disallowed logit to -inf before sampling or draft
-  verification. Unconstrained rows are untouched, so constrained and free requests share a batch.
+  step and carries a grammar, the rows of allowed tokens (one per logit row: the last token's, and one
+  after each draft token, the draft consumed and rolled back) are computed by a worker thread while the
+  forward pass runs, where the forward pass leaves a core free for it. Where it uses every core (torch's
+  threads = the CPUs, as on sudu's 2-core CI machines), a thread beside it only preempts one of its
+  threads and the whole pass waits for that one, so the masks are computed right after the pass
+  instead. `apply_masks` then sets every disallowed logit to -inf before sampling or draft verification.
+  Unconstrained rows are untouched, so constrained and free requests share a batch.
 - `cut_draft`: a speculative draft is cut at its first token the grammar rejects (verification would
   reject it anyway, and its KV slot would be wasted).
 - `forced_tokens`: where the grammar allows exactly one token, that token is the only one sampling could
@@ -13,20 +16,26 @@
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
 from sudu import kernels
+from sudu.layers.attention import SMALL_Q
 from sudu.structured.backend import allowed_ids
 
-MAX_FORCED_TOKENS = 64  # per step and sequence: bounds the time one step spends walking a grammar
+# Forced tokens per step and sequence: with the token before them, a step stays in the few-new-token attention
+# path (layers/attention.py SMALL_Q), where a row's numbers do not depend on how many tokens share its step,
+# so greedy output is the same however steps are cut (with or without speculation).
+MAX_FORCED_TOKENS = SMALL_Q - 1
 
 
 class PendingMasks:
-    """The masks of one step, being computed."""
+    """The masks of one step, being computed (a Future), or to compute when first asked (a function)."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future | Callable[[], dict]):
         self._future = future
         self._rows: dict[int, torch.Tensor | Exception] | None = None
 
@@ -34,21 +43,26 @@ class PendingMasks:
         """[k + 1, words] int32 bitmask rows, bit i of word i // 32 set where token i is allowed (None: the
         sequence is unconstrained; an exception: its grammar failed, which fails its request)."""
         if self._rows is None:
-            self._rows = self._future.result()
+            self._rows = self._future.result() if isinstance(self._future, Future) else self._future()
         return self._rows.get(seq.seq_id)
 
 
 class GrammarMasks:
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, overlap: bool | None = None):
+        """overlap: compute masks during the forward pass (None: where a CPU core is left free for it)."""
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sudu-grammar")
+        if overlap is None:
+            overlap = (os.cpu_count() or 1) > torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sudu-grammar") if overlap else None
 
     def start(self, scheduled) -> PendingMasks | None:
         """scheduled: the step's ScheduledSeq list, drafts already attached."""
         jobs = [(s.seq, list(s.draft_token_ids)) for s in scheduled if s.samples and s.seq.grammar is not None]
         if not jobs:
             return None
+        if self._pool is None:
+            return PendingMasks(lambda: self._compute(jobs))
         return PendingMasks(self._pool.submit(self._compute, jobs))
 
     def _compute(self, jobs) -> dict[int, torch.Tensor | Exception]:
@@ -74,7 +88,8 @@ class GrammarMasks:
         return words
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
