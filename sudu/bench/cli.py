@@ -84,6 +84,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--context-len", type=int, default=None,
                    help="the model's context in tokens (default: from /v1/models, else 4096)")
     p.add_argument("--retrieval-fraction", type=float, default=0.5, help="retrieval document length / context")
+    p.add_argument("--tool-choice", choices=("forced", "auto"), default="forced",
+                   help="tool_loop: forced = the first call must call the tool, the next one answers without "
+                   "tools; auto = the tool on every call, the model decides (see docs/bench.md)")
     p.add_argument("--allow-remote-code", action="store_true",
                    help="run (sandboxed) code answers from a non-loopback --url too; off by default")
     p.set_defaults(func=cmd_suite, warmup=1)
@@ -336,4 +339,4 @@ async def run_suite(args, run) -> None:
                 ctx.on_done = lambda rec: progress.advance(bar) if rec.warmup else None
                 await suites.run_tasks(ctx, args.task_list, args.repeat, args.attempts, context_len,
                                        args.retrieval_fraction, args.warmup, args.seed,
-                                       on_task_done=lambda res: progress.advance(bar))
+                                       on_task_done=lambda res: progress.advance(bar), tool_choice=args.tool_choice)

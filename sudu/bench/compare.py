@@ -19,7 +19,7 @@ from sudu.errors import SuduError
 
 # the run settings that change the work itself: a difference makes the two figures incomparable
 SAME_WORK = ("max_tokens", "output_len", "input_words", "lengths", "ignore_eos", "sampling", "tasks", "attempts",
-             "context_len_used", "retrieval_fraction", "schemas")
+             "context_len_used", "retrieval_fraction", "schemas", "tool_choice")
 
 # metric -> True when higher is better
 METRICS = {

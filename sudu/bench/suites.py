@@ -242,13 +242,13 @@ def tool_turn(rec: RequestRecord, run_tool: Callable[[str, str], str]) -> list[d
 
 async def run_tasks(ctx: Ctx, names: list[str], repeat: int, attempts: int, context_len: int,
                     retrieval_fraction: float, warmups: int, seed: int,
-                    on_task_done: Callable[[dict], None] | None = None) -> None:
+                    on_task_done: Callable[[dict], None] | None = None, tool_choice: str = "forced") -> None:
     """Each task: start the clock, ask, check; on failure send the checker's verdict back and ask again
     (up to `attempts` attempts, every call counted). Time stops when an answer passes the checker.
 
-    A task with tools sends them with every request; within an attempt, an answer that calls tools gets
-    their results (executed here) and the model is called again, up to `max_tool_rounds` times, until it
-    answers with text, which is then checked.
+    A task with tools sends the tool fields it asks for with each call; within an attempt, an answer that
+    calls tools gets their results (executed here) and the model is called again, up to
+    `max_tool_rounds` times, until it answers with text, which is then checked.
 
     First calls are cold (group "task <name>"). A retry resends the whole conversation so far, which the
     server has just seen: its requests go to their own group, "task <name> retries", declared
@@ -260,18 +260,20 @@ async def run_tasks(ctx: Ctx, names: list[str], repeat: int, attempts: int, cont
         ctx.run.groups.append(Group(first_group, "cold", {"task": name}))
         later = {g: Group(g, "shared-prefix", {"task": name}) for g in (retry_group, tool_group)}
         for r in range(repeat):
-            inst = build_task(name, context_len, seed + r, retrieval_fraction)
+            inst = build_task(name, context_len, seed + r, retrieval_fraction, tool_choice)
             if r == 0:
                 prompt_set = prompt_set_id(f"task-{name}", [m["content"] for m in inst.messages])
                 ctx.run.groups[-1].params["prompt_set"] = prompt_set
                 for g in later.values():
                     g.params["prompt_set"] = prompt_set
-            extra = {"tools": inst.tools} if inst.tools else None
-            messages = make_messages("cold", inst.messages[0]["content"]) + inst.messages[1:]
+            # a task's own system message keeps its place; the cold salt goes at its start
+            system = inst.messages[0]["content"] if inst.messages[0]["role"] == "system" else None
+            rest = inst.messages[1:] if system is not None else inst.messages
+            messages = make_messages("cold", rest[0]["content"], system) + rest[1:]
             result = {"task": name, "repeat": r, "passed": False, "passed_first": False, "task_time_s": None,
                       "first_call_s": None, "calls": 0, "model_time_s": 0.0, "output_tokens": 0, "detail": "",
                       "info": inst.info}
-            if inst.tools:
+            if inst.run_tool:
                 result.update(tool_rounds=0, tool_calls=0)
             t0 = time.perf_counter()
             for attempt in range(attempts):
@@ -280,6 +282,7 @@ async def run_tasks(ctx: Ctx, names: list[str], repeat: int, attempts: int, cont
                 while True:
                     if group in later and later[group] not in ctx.run.groups:
                         ctx.run.groups.append(later[group])
+                    extra = inst.tool_fields(rounds) if inst.tool_fields else None
                     rec = await send(ctx, group, state, messages, inst.max_tokens, task=name, extra=extra)
                     result["calls"] += 1
                     result["model_time_s"] += rec.done_s or 0.0

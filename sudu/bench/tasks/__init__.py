@@ -5,8 +5,8 @@ answer fails, so it can never count as a fast one.
 Tasks: retrieval (a fact hidden in a long document), palindrome (Python, run against tests in a
 subprocess), sql (executed against an sqlite3 fixture), svg (well-formed, required elements),
 async_refactor (a blocking program rewritten with asyncio, run and timed), tool_loop (an answer reached by
-calling tools that the runner executes: `tools` in the request, tool results sent back, until the model
-answers)."""
+calling a tool that the runner executes: `tools` in the request, the tool's result sent back, until the
+model answers)."""
 from __future__ import annotations
 
 import re
@@ -29,8 +29,9 @@ class TaskInstance:
     check: Callable[[str], CheckResult]
     max_tokens: int = 1024
     info: dict | None = None  # e.g. the retrieval document's length and the fact's depth
-    tools: list[dict] | None = None  # OpenAI `tools` sent with every request of the task
     run_tool: Callable[[str, str], str] | None = None  # (name, arguments JSON) -> the tool message's content
+    # tool results sent back so far in the attempt -> the call's tool fields (`tools`, `tool_choice`, ...)
+    tool_fields: Callable[[int], dict] | None = None
     max_tool_rounds: int = 0  # tool results sent back per attempt before the attempt fails
 
 
@@ -64,13 +65,14 @@ def task_names() -> tuple[str, ...]:
     return ("retrieval", "palindrome", "sql", "svg", "async_refactor", "tool_loop")
 
 
-def build_task(name: str, context_len: int, seed: int = 0, retrieval_fraction: float = 0.5) -> TaskInstance:
+def build_task(name: str, context_len: int, seed: int = 0, retrieval_fraction: float = 0.5,
+               tool_choice: str = "forced") -> TaskInstance:
     from sudu.bench.tasks import async_refactor, palindrome, retrieval, sql, svg, tool_loop
 
     if name == "retrieval":
         return retrieval.build(context_len, seed, retrieval_fraction)
     if name == "tool_loop":
-        return tool_loop.build(seed)
+        return tool_loop.build(seed, tool_choice)
     builders = {"palindrome": palindrome.build, "sql": sql.build, "svg": svg.build, "async_refactor": async_refactor.build}
     if name not in builders:
         raise SuduError(f"unknown task {name!r}; tasks: {', '.join(task_names())}")
