@@ -18,14 +18,11 @@ import random
 import statistics
 import time
 
+from benchmarks import structured_output
 from benchmarks.structured_output import random_schema
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
-PEOPLE = {"type": "array", "minItems": 1, "items": {
-    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
-                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                     "city": {"type": "string", "maxLength": 24}},
-    "required": ["name", "age", "city"], "additionalProperties": False}}
+PEOPLE = {**structured_output.PEOPLE, "minItems": 1}
 FEATURES = {
     "enum/const": {"type": "object", "properties": {"a": {"enum": ["x", 1, None]}, "b": {"const": "k"}},
                    "required": ["a", "b"]},

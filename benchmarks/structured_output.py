@@ -165,7 +165,8 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
         return {"type": "object", "properties": props, "required": [k for k in keys if rng.random() < 0.7],
                 "additionalProperties": False}
     if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "open", "closed", 3, None, True], rng.randint(1, 4))}
+        return {"enum": rng.sample(["red", "green", "blue", "open", "closed", "x y", "ünï", 3, None, True],
+                                   rng.randint(1, 4))}
     if kind == "array":
         return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": 1, "maxItems": 3}
     if kind == "integer":

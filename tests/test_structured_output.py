@@ -12,6 +12,7 @@ import re
 import jsonschema
 import pytest
 
+from benchmarks.structured_output import random_schema
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
 from sudu.structured import grammars as G
@@ -29,28 +30,6 @@ def llm(tiny_model_dirs):
 def spec_llm(tiny_model_dirs):
     return LLM(str(tiny_model_dirs["qwen2"]), progress=False, max_model_len=512, kv_cache_memory=16 << 20,
                speculative="ngram")
-
-
-def random_schema(rng: random.Random, depth: int = 0) -> dict:
-    """A JSON schema whose every value has a bounded length (a random model never stops on its own)."""
-    kind = rng.choice(["object", "object", "enum", "array", "integer", "number", "string", "boolean"]
-                      if depth < 2 else ["enum", "integer", "number", "string", "boolean"])
-    if kind == "object":
-        props = {f"k{i}_{rng.randrange(100)}": random_schema(rng, depth + 1) for i in range(rng.randint(1, 4))}
-        required = [k for k in props if rng.random() < 0.7]
-        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "x y", "ünï", 3, None, True], rng.randint(1, 4))}
-    if kind == "array":
-        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": 1, "maxItems": 3}
-    if kind == "integer":
-        lo = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
-    if kind == "number":
-        return {"type": "number", "minimum": -10, "maximum": 10}
-    if kind == "string":
-        return {"type": "string", "maxLength": rng.randint(1, 12)}
-    return {"type": "boolean"}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
