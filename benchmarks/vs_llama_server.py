@@ -124,7 +124,9 @@ def main() -> None:
                               "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS)],
         "llama-server": lambda port: [binary, "-m", gguf, "--alias", args.model, "--port", str(port), "--host",
                                       "127.0.0.1", "-t", str(args.threads), "-np", str(SLOTS), "-c",
-                                      str(SLOTS * 512)],
+                                      # llama-server splits -c over its slots: 1,024 tokens each holds the cache
+                                      # suite's 512-token prompts with their chat template and answer
+                                      str(SLOTS * 1024)],
     }
     for side, command in sides.items():
         port = free_port()
