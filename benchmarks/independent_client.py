@@ -36,7 +36,8 @@ def one_request(client: httpx.Client, base: str, model: str, prompt: str, max_to
 
 
 def decode_speeds(base: str, model: str, prompts: list[str], max_tokens: int) -> list[float]:
-    with httpx.Client(timeout=600) as client:
+    # a new connection per request: llama-server's build here drops a kept-alive connection's next request
+    with httpx.Client(timeout=600, headers={"Connection": "close"}) as client:
         one_request(client, base, model, prompts[0], 8)  # warm-up
         speeds = [one_request(client, base, model, p, max_tokens) for p in prompts]
     return [s for s in speeds if s is not None]
