@@ -56,7 +56,7 @@ class _Batch:
     started_at: float
     num_decodes: int
     num_prefill_tokens: int
-    masks: PendingMasks | None = None  # the constrained rows' token masks, computed during the forward pass
+    masks: PendingMasks | None = None  # the constrained rows' token masks (sudu/structured/masks.py)
 
 
 class LLMEngine:

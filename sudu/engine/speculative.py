@@ -33,8 +33,8 @@ from sudu.engine.block_manager import BlockManager
 from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
-from sudu.layers.sampler import SampledToken, SamplingRow, apply_penalties, argmax_rows, filter_logits
 from sudu.layers.attention import SMALL_Q
+from sudu.layers.sampler import SampledToken, SamplingRow, apply_penalties, argmax_rows, filter_logits
 from sudu.structured.masks import cut_draft
 
 
@@ -380,8 +380,8 @@ class Speculator:
         drafts = {}
         for s, d in zip(decoding, self.drafter.propose([s.seq for s in decoding], ks)):
             if s.seq.grammar is not None:  # structured output: cut at the first token the grammar rejects
-                n = cut_draft(s.seq.grammar, d.token_ids)
-                d = Draft(d.token_ids[:n], d.probs[:n] if d.probs is not None else None)
+                kept = cut_draft(s.seq.grammar, d.token_ids)
+                d = Draft(d.token_ids[:kept], d.probs[:kept] if d.probs is not None else None)
             n = s.num_new_tokens + len(d.token_ids)
             if d.token_ids and block_manager.can_allocate(s.seq, n):
                 block_manager.allocate(s.seq, n)

@@ -236,12 +236,8 @@ class Call:
             if tools is None:
                 return [{"index": idx, "delta": {"content": text} if text is not None else {}, "logprobs": rendered,
                          "finish_reason": finish_reason}]
-            stream = tools[idx]
-            deltas = stream.feed(text) if text else []
-            if finish_reason is not None:
-                deltas += stream.finish()
-                finish_reason = tool_output.finish_reason(finish_reason, stream.called)
-            if (rendered is not None or finish_reason is not None) and not deltas:
+            deltas, finish_reason = tools[idx].render(text, finish_reason)
+            if rendered is not None and not deltas:
                 deltas = [{}]
             out = [{"index": idx, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
             if out:

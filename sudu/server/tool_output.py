@@ -30,11 +30,15 @@ class ChoiceStream:
         self._parser = ToolCallStreamParser(fmt)
         self.called = False
 
-    def feed(self, text: str) -> list[dict]:
-        return self._deltas(self._parser.feed(text))
-
-    def finish(self) -> list[dict]:
-        return self._deltas(self._parser.finish())
+    def render(self, text: str | None, reason: str | None) -> tuple[list[dict], str | None]:
+        """The deltas a piece of text settles, and the finish reason to send; with a finish reason, the held
+        text is settled too. Never empty where a finish reason must go out (then one empty delta)."""
+        deltas = self._deltas(self._parser.feed(text)) if text else []
+        if reason is not None:
+            deltas += self._deltas(self._parser.finish())
+            reason = finish_reason(reason, self.called)
+            deltas = deltas or [{}]
+        return deltas, reason
 
     def _deltas(self, events) -> list[dict]:
         out: list[dict] = []
