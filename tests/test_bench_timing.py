@@ -249,3 +249,36 @@ def test_apportioning_sums_to_usage():
 def test_parse_server_timing():
     assert parse_server_timing("queue;dur=1.5, prefill;desc=\"x\";dur=20") == {"queue_s": 0.0015, "prefill_s": 0.02}
     assert parse_server_timing(None) is None
+
+
+def test_a_request_on_a_connection_closed_under_it_is_resent_and_timed_from_the_resend():
+    """The server reads the second request on a kept-alive connection and closes it without an answer
+    (llama-server closes after each stream, and a request can be sent in that instant): the client sends
+    it once more on a new connection, times it from then, and the record says so."""
+
+    async def go(srv):
+        recs = []
+        async with ClientPool(30) as pool:
+            for i in range(3):
+                rec = RequestRecord(i, "g", "cold")
+                async with pool.acquire() as client:
+                    await stream_chat(client, srv.url, chat_body("plain", [{"role": "user", "content": "hi"}], 16),
+                                      auth_headers(None), rec)
+                rec.metrics = request_metrics(rec)
+                recs.append(rec)
+        return recs
+
+    with FakeServer(lambda body: SCRIPTS[body["model"]][0], drop_reused=1) as srv:
+        recs = asyncio.run(go(srv))
+        assert srv.dropped == 1 and len(srv.requests) == 3
+        assert [r.resent for r in recs] == [0, 1, 0] and all(r.ok for r in recs)
+        # timed from the resend (the server held the dropped attempt 50 ms): TTFT as the server sent it
+        content = content_events("plain")[0]
+        sent = srv.read_at[1] + srv.sent_at_s[1][content] - recs[1].t_sent_s
+        assert recs[1].metrics["ttft_s"] == pytest.approx(sent, abs=TOL_S)
+
+    from sudu.bench.report import group_summary
+    from sudu.bench.suites import Group, Run
+
+    summary = group_summary(Run("single", {}, {}, records=recs), Group("g", "cold"), {})
+    assert any("sent again" in n for n in summary["notes"]), summary["notes"]

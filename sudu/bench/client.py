@@ -57,6 +57,7 @@ class RequestRecord:
     prompt_chars: int = 0
     max_tokens: int | None = None
     task: str | None = None
+    resent: int = 0  # times sent again because the server closed a kept-alive connection before responding
     metrics: dict = field(default_factory=dict)  # filled by metrics.request_metrics
 
     @property
@@ -211,6 +212,35 @@ def add_tool_call_deltas(calls: dict[int, dict], deltas: list) -> str:
     return carried
 
 
+# A server may close a kept-alive connection just after a response (llama-server does after every
+# streamed one, while its headers say keep-alive); a request sent on it in that instant fails before any
+# byte comes back. The server never saw it, so it is sent once more on a new connection, timed from then.
+def _stale_connection(exc: httpx.HTTPError) -> bool:
+    return isinstance(exc, httpx.WriteError) or (
+        isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc))
+
+
+@asynccontextmanager
+async def _open_stream(client: httpx.AsyncClient, url: str, payload: bytes, headers: dict, record: RequestRecord):
+    try:
+        cm = client.stream("POST", url, content=payload, headers=headers)
+        resp = await cm.__aenter__()
+    except httpx.HTTPError as exc:
+        if not _stale_connection(exc):
+            raise
+        record.resent += 1
+        record.t_sent_s = time.perf_counter()
+        cm = client.stream("POST", url, content=payload, headers=headers)
+        resp = await cm.__aenter__()
+    try:
+        yield resp
+    except BaseException as exc:
+        if not await cm.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        await cm.__aexit__(None, None, None)
+
+
 async def stream_chat(
     client: httpx.AsyncClient,
     base: str,
@@ -235,7 +265,8 @@ async def stream_chat(
     t0 = perf()
     record.t_sent_s = t0
     try:
-        async with client.stream("POST", f"{base}/chat/completions", content=payload, headers=headers) as resp:
+        async with _open_stream(client, f"{base}/chat/completions", payload, headers, record) as resp:
+            t0 = record.t_sent_s  # a resend restarts the clock
             record.status = resp.status_code
             record.server_timing = parse_server_timing(resp.headers.get("server-timing"))
             if resp.status_code != 200:

@@ -119,8 +119,13 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requ
 class FakeServer:
     """`with FakeServer(script_fn) as srv: srv.url` -> an OpenAI-style base URL ending in /v1."""
 
-    def __init__(self, script_fn: Callable[[dict], ScriptedResponse] | None = None, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, script_fn: Callable[[dict], ScriptedResponse] | None = None, host: str = "127.0.0.1", port: int = 0,
+                 drop_reused: int = 0):
         self.script_fn = script_fn or instant_script
+        # this many requests that arrive on a kept-alive connection are read and answered by closing it, as a
+        # server that closed the connection just as the client reused it
+        self.drop_reused = drop_reused
+        self.dropped = 0
         self.host = host
         self.port = port
         self.requests: list[dict] = []  # every chat body received
@@ -136,6 +141,7 @@ class FakeServer:
         return f"http://{self.host}:{self.port}/v1"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -152,6 +158,11 @@ class FakeServer:
                 if method == "GET":
                     await self._send_json(writer, 200, self._get(path))
                     continue
+                if served and self.drop_reused > self.dropped:
+                    self.dropped += 1
+                    await asyncio.sleep(0.05)  # late enough that timing from the first send would show
+                    return
+                served += 1
                 body = json.loads(raw or b"{}")
                 self.requests.append(body)
                 self.read_at.append(t0)

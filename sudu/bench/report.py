@@ -91,6 +91,10 @@ def group_summary(run, group, slo: dict) -> dict:
     if thr.get("failed_streams"):
         out["notes"].append(f"{thr['failed_streams']} streams failed partway after {thr['failed_stream_tokens']} "
                             "tokens: not in the throughput")
+    resent = sum(1 for r in recs if r.resent)
+    if resent:
+        out["notes"].append(f"{resent} requests were sent again on a new connection: the server closed a kept-alive "
+                            "connection before responding (timed from the resend)")
     sources: dict[str, int] = {}
     for r in ok:
         sources[r.token_source] = sources.get(r.token_source, 0) + 1
