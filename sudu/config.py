@@ -43,7 +43,7 @@ class EngineConfig:
     # the Python API), auto = min(10 GiB, 20% of the free space) (`sudu serve`'s default), or bytes (8GiB)
     disk_cache_size: str = "0"
     disk_cache_dir: str | None = None  # None -> $SUDU_HOME/kvcache
-    speculative: str = "none"  # none | ngram | draft:MODEL (engine/speculative.py)
+    speculative: str = "none"  # none | ngram | draft:MODEL | mtp (engine/speculative.py)
     # most draft tokens per sequence per step (adapted per sequence); 0 = the drafter's own default:
     # 7 for n-gram lookup (free to draft), 4 for a draft model (measured: docs/benchmarks.md)
     num_speculative_tokens: int = 0

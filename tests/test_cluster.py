@@ -294,3 +294,78 @@ def test_a_killed_replica_fails_only_its_own_requests_and_comes_back(cluster):
     assert _wait_health(url, {"degraded"}, timeout_s=30)["replicas"]["running"] == 1
     _wait_health(url, {"ok"}, timeout_s=180)
     assert _complete(url, list(range(3, 40))).status_code == 200
+
+
+# ---- prefill/decode handoff ----------------------------------------------------------------------------
+
+def test_handoff_blocks_let_another_engine_decode_as_one_engine(tiny_model_dirs):
+    """Without Ray: the prompt's blocks exported from one engine after a one-token prefill and imported
+    into another make that engine's prefix match serve all full blocks, and its greedy output is the
+    unified engine's."""
+    from sudu.cluster.handoff import export_prompt_blocks, import_prompt_blocks
+    from sudu.engine.llm import LLM
+
+    kw = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20, disk_cache_size="0")
+    prefill, decode, unified = (LLM(str(tiny_model_dirs["llama"]), **kw) for _ in range(3))
+    prompt = _tokens(3, 5 * BLOCK + 7)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prefill.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    payload = export_prompt_blocks(prefill.engine, prompt)
+    assert payload.shape == (5, prefill.engine.block_manager.block_io.nbytes)
+    assert import_prompt_blocks(decode.engine, prompt, payload) == 5
+    assert import_prompt_blocks(decode.engine, prompt, payload) == 0  # held already: not written again
+    got = decode.generate([prompt], params)[0]
+    assert got.num_cached_tokens == 5 * BLOCK
+    assert got.outputs[0].token_ids == unified.generate([prompt], params)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="bytes"):
+        import_prompt_blocks(decode.engine, prompt, payload[:, :-8])
+
+
+@pytest.fixture(scope="module")
+def pd_cluster(tiny_model_dirs, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("pd") / "serve.log"
+    cmd = [sys.executable, "-m", "sudu.cli", "serve", str(tiny_model_dirs["llama"]), "--port", str(port),
+           "--pd", "1:1", "--replica-cpus", "1", "--disk-cache-size", "0", "--max-model-len", str(MAX_MODEL_LEN),
+           "--kv-cache-memory", "16MiB", "--served-model-name", "tiny", "--shutdown-timeout", "5"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            _wait_health(url, {"ok"}, timeout_s=420)
+        except AssertionError:
+            raise AssertionError(log.read_text()[-4000:]) from None
+        yield proc, url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.mark.slow
+def test_pd_split_outputs_equal_one_engine_and_report_the_handoff(pd_cluster, tiny_model_dirs):
+    from sudu.engine.llm import LLM
+
+    _, url = pd_cluster
+    assert httpx.get(url + "/health", timeout=10).json()["replicas"] == {"running": 2, "target": 2}
+    prompts = [_tokens(7 * i, 20 + 9 * i) for i in range(8)]
+    llm = LLM(str(tiny_model_dirs["llama"]), max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
+    for prompt, want in zip(prompts, expected):
+        r = _complete(url, prompt)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == llm.tokenizer.decode(want)
+        timing = body["sudu"]
+        blocks = (len(prompt) - 1) // BLOCK
+        assert timing["handoff_blocks"] == blocks and timing["handoff_imported_blocks"] == blocks
+        assert timing["handoff_bytes"] == blocks * llm.engine.block_manager.block_io.nbytes
+        assert timing["handoff_s"] > 0 and timing["prefill_replica"] != timing["replica"]
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
+    stream = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompts[3], "max_tokens": 8,
+                                                       "temperature": 0, "stream": True}, timeout=60)
+    assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")

@@ -101,8 +101,10 @@ def write_gguf_like_llama_cpp(hf_dir, path, arch: str, split_kv_b: bool = True, 
         if m:  # llama.cpp stacks each projection of all experts into one 3D tensor
             stacked.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
             continue
-        if name.endswith(("enorm.weight", "hnorm.weight", "eh_proj.weight")):  # MTP-only parts
-            w.add_tensor(f"blk.{name.split('.')[2]}.nextn.{name.split('.')[3]}.weight", t)
+        if name.endswith(("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.head.weight",
+                          "shared_head.norm.weight")):  # MTP-only parts: blk.N.nextn.{eh_proj, shared_head_head, ...}
+            part = "_".join(name.split(".")[3:-1])
+            w.add_tensor(f"blk.{name.split('.')[2]}.nextn.{part}.weight", t)
             continue
         if split_kv_b and name.endswith("kv_b_proj.weight"):
             heads, nope, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]

@@ -57,9 +57,12 @@ class _Limits:
 
 class ClusterEngine:
     def __init__(self, app_name: str, handle, info: dict, block_size: int, num_replicas: int,
-                 max_in_flight: int):
+                 max_in_flight: int, prefill=None, num_prefill: int = 0):
+        """prefill: the prefill replicas' handle under --pd (handle's replicas then decode only)."""
         self.app_name = app_name
         self.handle = handle
+        self.prefill = prefill
+        self.num_prefill = num_prefill
         self.model_name = info["model_name"]
         self.max_model_len = info["max_model_len"]
         self.tokenizer = info["tokenizer"]
@@ -98,8 +101,11 @@ class ClusterEngine:
                        ) -> AsyncIterator[RequestOutput]:
         if not self._accepting:
             raise RuntimeError("the server is shutting down")
+        handoff = None
+        if self.prefill is not None:  # --pd: Serve hands the prefill call's result (an object ref) to the decoder
+            handoff = self.prefill.prefill.remote(request_id=request_id, request=request, priority=priority)
         call = self.handle.options(stream=True).generate.remote(request_id=request_id, request=request,
-                                                                priority=priority)
+                                                                priority=priority, handoff=handoff)
         self._calls[request_id] = call
         finished = False
         route = None
@@ -108,7 +114,7 @@ class ClusterEngine:
                 if route is None:
                     route = self._take_route(request_id)
                 if route:
-                    out = dataclasses.replace(out, route=route)
+                    out = dataclasses.replace(out, route={**(out.route or {}), **route})
                 finished = out.finished
                 yield out
         except BackPressureError:
@@ -121,6 +127,8 @@ class ClusterEngine:
             self._calls.pop(request_id, None)
             if not finished:
                 call.cancel()  # the replica's generator is cancelled, which aborts the engine request
+                if handoff is not None:
+                    handoff.cancel()
 
     def _take_route(self, request_id: str) -> dict:
         router = router_for(self.app_name)
@@ -154,9 +162,13 @@ class ClusterEngine:
 
     def replicas(self) -> dict:
         """Running and target replicas of the deployment (Serve's controller view)."""
-        app = serve.status().applications.get(self.app_name)
+        from sudu.cluster.serve import PREFILL_APP_NAME
+
+        apps = serve.status().applications
         running = 0
-        if app is not None:
-            for deployment in app.deployments.values():
-                running += deployment.replica_states.get("RUNNING", 0)
-        return {"running": running, "target": self.num_replicas}
+        for name in (self.app_name, PREFILL_APP_NAME) if self.prefill is not None else (self.app_name,):
+            app = apps.get(name)
+            if app is not None:
+                for deployment in app.deployments.values():
+                    running += deployment.replica_states.get("RUNNING", 0)
+        return {"running": running, "target": self.num_replicas + self.num_prefill}

@@ -8,11 +8,15 @@ the replica."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from typing import AsyncIterator
 
 from ray import serve
 
 from sudu.cluster.cache_view import summarize
+from sudu.cluster.handoff import (Handoff, check_handoff_supported, export_prompt_blocks, handoff_route,
+                                  import_prompt_blocks)
 from sudu.config import EngineConfig
 from sudu.engine.outputs import RequestOutput
 from sudu.engine.request import CheckedRequest
@@ -42,11 +46,36 @@ class EngineReplica:
                 "vocab_size": eng.model_config.vocab_size, "pool_tokens": eng.runner.num_blocks * eng.config.block_size,
                 "tokenizer": eng.tokenizer, "eos_token_ids": sorted(eng.eos_token_ids)}
 
-    async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0
+    async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0, handoff=None
                        ) -> AsyncIterator[RequestOutput]:
+        """handoff: a prefill replica's Handoff (--pd; Serve resolves the prefill call's result here, out
+        of Ray's object store): its blocks enter this engine's prefix cache before the request does."""
         await self._ensure_started()
+        route = None
+        if handoff is not None:
+            received = time.time()
+            t0 = time.perf_counter()
+            imported = await self.engine.run_in_engine(
+                lambda eng: import_prompt_blocks(eng, request.prompt_token_ids, handoff.payload))
+            route = handoff_route(handoff, imported, time.perf_counter() - t0, received)
         async for out in self.engine.generate(request_id, request, priority):
-            yield out
+            yield dataclasses.replace(out, route={**(out.route or {}), **route}) if route else out
+
+    def check_handoff(self) -> None:
+        check_handoff_supported(self.engine.engine)
+
+    async def prefill(self, request_id: str, request: CheckedRequest, priority: int = 0) -> Handoff:
+        """--pd's prefill side: the prompt run for one token, then its blocks copied out of the pool."""
+        await self._ensure_started()
+        start = time.perf_counter()
+        one = dataclasses.replace(request, max_tokens=1,
+                                  params=dataclasses.replace(request.params, max_tokens=1, n=1, logprobs=None, grammar=None))
+        async for _ in self.engine.generate(f"{request_id}-prefill", one, priority):
+            pass
+        prefill_s = time.perf_counter() - start
+        t0 = time.perf_counter()
+        payload = await self.engine.run_in_engine(lambda eng: export_prompt_blocks(eng, request.prompt_token_ids))
+        return Handoff(payload, self.replica_id, prefill_s, time.perf_counter() - t0, time.time())
 
     def record_routing_stats(self) -> dict:
         ids = frozenset(self.engine.engine.block_manager.cached_block_ids())

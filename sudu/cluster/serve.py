@@ -19,6 +19,7 @@ from sudu.config import EngineConfig
 log = logging.getLogger(__name__)
 
 APP_NAME = "sudu"
+PREFILL_APP_NAME = "sudu-prefill"
 DEPLOYMENT_NAME = "engine"
 ROUTING_STATS_PERIOD_S = 1.0  # how often each replica reports its cache summary to the router
 HEALTH_TIMEOUT_S = 5.0
@@ -37,9 +38,23 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing", choices=["cache_aware", "round_robin"], default="cache_aware",
                    help="cache_aware: the replica with the longest cached prefix, unless it is overloaded "
                    "(default); round_robin: ignore caches")
+    g.add_argument("--pd", default=None, metavar="P:D",
+                   help="prefill/decode split: P prefill replicas run each prompt and hand its KV blocks to one of "
+                   "D decode replicas through Ray's object store (instead of --replicas)")
     g.add_argument("--routing-imbalance", type=int, default=4,
                    help="the load guard: when the best-cached replica has more than this many requests in "
                    "flight beyond the least loaded one, the least loaded gets the request (default: 4)")
+
+
+def parse_pd(text: str) -> tuple[int, int]:
+    """'P:D' -> (prefill replicas, decode replicas), each >= 1."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd takes P:D (prefill and decode replica counts, e.g. 1:1), not {text!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--pd {text}: both counts must be >= 1")
+    return p, d
 
 
 class Cluster:
@@ -48,10 +63,16 @@ class Cluster:
     load), all stopped by `stop`."""
 
     def __init__(self, args: argparse.Namespace, config: EngineConfig):
+        self.num_prefill = 0
+        if args.pd is not None:
+            if args.replicas is not None:
+                raise ValueError("--pd P:D replaces --replicas; give one of them")
+            self.num_prefill, args.replicas = parse_pd(args.pd)
         if args.replicas < 1:
             raise ValueError("--replicas must be >= 1")
         self.args = args
-        cpus = args.replica_cpus or max(1.0, float((os.cpu_count() or 1) // args.replicas))
+        total = args.replicas + self.num_prefill
+        cpus = args.replica_cpus or max(1.0, float((os.cpu_count() or 1) // total))
         self.replica_cpus = cpus
         self.config = dataclasses.replace(config, num_threads=config.num_threads or max(1, int(cpus)))
         self.started_ray = False
@@ -69,7 +90,7 @@ class Cluster:
         if self.args.ray_address:
             ray.init(address=self.args.ray_address, include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(self.args.replicas * self.replica_cpus)),
+            ray.init(num_cpus=max(os.cpu_count() or 1, int((self.args.replicas + self.num_prefill) * self.replica_cpus)),
                      include_dashboard=False, log_to_driver=False)
             self.started_ray = True
 
@@ -83,23 +104,33 @@ class Cluster:
         args = self.args
         serve.start(proxy_location="Disabled")
         max_ongoing = self.config.max_num_seqs + args.max_queue_len
-        deployment = serve.deployment(EngineReplica).options(
-            name=DEPLOYMENT_NAME, num_replicas=args.replicas, max_ongoing_requests=max_ongoing,
-            ray_actor_options={"num_cpus": self.replica_cpus},
-            health_check_period_s=2.0, health_check_timeout_s=max(30.0, args.engine_stall_timeout),
-            graceful_shutdown_timeout_s=args.shutdown_timeout,
-            request_router_config=RequestRouterConfig(
-                request_router_class="sudu.cluster.router.CacheAwareRouter",
-                request_router_kwargs={"policy": args.routing, "imbalance_threshold": args.routing_imbalance},
-                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
-        )
-        serve.run(deployment.bind(self.config, args.max_queue_len, args.engine_stall_timeout),
-                  name=APP_NAME, route_prefix=None)
-        handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+
+        def deploy(app: str, num_replicas: int):
+            deployment = serve.deployment(EngineReplica).options(
+                name=DEPLOYMENT_NAME, num_replicas=num_replicas, max_ongoing_requests=max_ongoing,
+                ray_actor_options={"num_cpus": self.replica_cpus},
+                health_check_period_s=2.0, health_check_timeout_s=max(30.0, args.engine_stall_timeout),
+                graceful_shutdown_timeout_s=args.shutdown_timeout,
+                request_router_config=RequestRouterConfig(
+                    request_router_class="sudu.cluster.router.CacheAwareRouter",
+                    request_router_kwargs={"policy": args.routing, "imbalance_threshold": args.routing_imbalance},
+                    request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
+            )
+            serve.run(deployment.bind(self.config, args.max_queue_len, args.engine_stall_timeout),
+                      name=app, route_prefix=None)
+            return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
+
+        prefill = None
+        if self.num_prefill:  # the prefill replicas: an application of their own, the same replica class
+            prefill = deploy(PREFILL_APP_NAME, self.num_prefill)
+            prefill.check_handoff.remote().result(timeout_s=60)  # a model the handoff cannot carry fails here
+        handle = deploy(APP_NAME, args.replicas)
         info = handle.describe.remote().result(timeout_s=60)
         self.engine = ClusterEngine(APP_NAME, handle, info, self.config.block_size, args.replicas,
-                                    max_in_flight=args.replicas * max_ongoing)
-        log.info("%d replicas of %s on Ray Serve (%.1f CPUs, %d threads each; routing %s)", args.replicas,
+                                    max_in_flight=args.replicas * max_ongoing, prefill=prefill,
+                                    num_prefill=self.num_prefill)
+        log.info("%s of %s on Ray Serve (%.1f CPUs, %d threads each; routing %s)",
+                 f"{self.num_prefill} prefill + {args.replicas} decode replicas" if prefill else f"{args.replicas} replicas",
                  info["model_name"], self.replica_cpus, self.config.num_threads, args.routing)
         return self.engine
 
@@ -143,6 +174,8 @@ class Cluster:
                 serve.shutdown()
             else:
                 serve.delete(APP_NAME)
+                if self.num_prefill:
+                    serve.delete(PREFILL_APP_NAME)
         finally:
             if self.started_ray:
                 ray.shutdown()

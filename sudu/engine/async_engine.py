@@ -144,6 +144,14 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id, None))
         self._wake.set()
 
+    async def run_in_engine(self, fn):
+        """fn(engine) run in the engine thread between steps (the pool and the prefix cache hold still),
+        in order with the requests added before and after it; returns its result or raises its error."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", None, (fn, future)))
+        self._wake.set()
+        return await future
+
     def stats(self) -> dict:
         """Engine counters as of the last step (read without stopping the engine thread)."""
         return dict(self._stats)
@@ -164,7 +172,18 @@ class AsyncLLMEngine:
                 kind, rid, payload = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "call":
+                fn, future = payload
+                try:
+                    result, error = fn(eng), None
+                except Exception as exc:  # noqa: BLE001 -- the caller's fault: it gets the error, the loop goes on
+                    result, error = None, exc
+                loop = future.get_loop()
+                if error is None:
+                    loop.call_soon_threadsafe(lambda f=future, r=result: f.done() or f.set_result(r))
+                else:
+                    loop.call_soon_threadsafe(lambda f=future, e=error: f.done() or f.set_exception(e))
+            elif kind == "add":
                 request, priority, arrival = payload
                 try:
                     eng.add_request(rid, request, priority=priority, arrival_time=arrival)

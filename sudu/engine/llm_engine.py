@@ -85,7 +85,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
-        self.speculator = Speculator(config, self) if config.speculative != "none" else None
+        self.speculator = Speculator(config, self, ckpt) if config.speculative != "none" else None
         log.info(
             "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens",
             ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size,
@@ -215,6 +215,8 @@ class LLMEngine:
         try:
             logits = self.runner.execute(batch.scheduled)
             self.num_steps += 1
+            if self.speculator is not None:
+                self.speculator.observe(batch.scheduled, self.runner.last_hidden)
             return logits
         except Exception as exc:  # noqa: BLE001 -- isolated below, re-raised when it cannot be
             log.warning("forward pass failed (%s); running the batch's %d sequences one by one",

@@ -149,6 +149,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config)
         self.device = resolve_device(config.device)
         self.block_size = config.block_size
+        self.keep_hidden = False  # set by a drafter that reads the target's hidden states (MTP)
+        self.last_hidden: torch.Tensor | None = None
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
         torch.set_num_threads(config.num_threads or default_num_threads())
         sliding_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sliding(i)]
@@ -198,10 +200,11 @@ class ModelRunner:
         return budget
 
     @torch.inference_mode()
-    def execute(self, scheduled) -> torch.Tensor:
+    def execute(self, scheduled, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """scheduled: list of ScheduledSeq. Returns float32 logits of the rows each sequence needs
         (ScheduledSeq.num_logit_rows), concatenated in order, on the engine's device (the sampler brings
-        to the host only what it needs)."""
+        to the host only what it needs). hidden_in: a drafting network's second input, a row per new token.
+        With keep_hidden set, the step's final hidden states [new tokens, hidden] stay in last_hidden."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -233,7 +236,9 @@ class ModelRunner:
         if self.device.type != "cpu":  # one copy of the step's metadata
             meta = meta.to(self.device)
             ids_t, positions_t = ids_t.to(self.device), positions_t.to(self.device)
-        hidden = self.model(ids_t, positions_t, meta)
+        hidden = self.model(ids_t, positions_t, meta) if hidden_in is None else self.model(ids_t, positions_t, meta, hidden_in)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         if not sample_rows:
             return hidden.new_zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[sample_rows]).float()

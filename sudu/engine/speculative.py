@@ -4,6 +4,8 @@ against the target model's distribution.
 Drafters:
 - NgramDrafter: prompt lookup. Finds the latest earlier occurrence of the sequence's last n tokens
   (n from max_n down to min_n, searching prompt and output) and proposes what followed it. No model.
+- MTPDrafter (engine/mtp_drafter.py): the multi-token-prediction layer a DeepSeek-V3 checkpoint carries,
+  reading the target's hidden states.
 - DraftModelDrafter: a smaller model with the same tokenizer, with its own KV pool and a shadow sequence
   per target sequence that is rolled back to the tokens the target kept. Its prompt is computed in the
   step that completes the target's prompt (so it counts toward time to first token, as the target's
@@ -332,7 +334,9 @@ class SpecController:
 # Draft lengths when num_speculative_tokens = 0: n-gram drafts cost nothing, so the most a verification
 # takes; a draft model pays a step per draft token, so the length that measured best on free generation
 # (docs/benchmarks.md, "Speculative decoding": draft length, default draft lengths).
-DEFAULT_DRAFT_LEN = {"ngram": 7, "draft": 4}
+# An MTP layer is trained to draft one token; chained drafts read its own output, so fewer of them hold
+# (SGLang's recommended DeepSeek-V3 setting drafts 3).
+DEFAULT_DRAFT_LEN = {"ngram": 7, "draft": 4, "mtp": 3}
 
 
 def draft_len(config) -> int:
@@ -340,20 +344,24 @@ def draft_len(config) -> int:
     return config.num_speculative_tokens or DEFAULT_DRAFT_LEN[config.speculative.split(":")[0]]
 
 
-def build_drafter(spec: str, engine) -> NgramDrafter | DraftModelDrafter:
+def build_drafter(spec: str, engine, ckpt=None):
     if spec == "ngram":
         return NgramDrafter()
+    if spec == "mtp":
+        from sudu.engine.mtp_drafter import MTPDrafter
+
+        return MTPDrafter(ckpt, engine)
     if spec.startswith("draft:") and spec[6:]:
         return DraftModelDrafter(spec[6:], engine.tokenizer, engine.model_config, engine.config,
                                  engine.runner.num_blocks * engine.config.block_size)
-    raise SuduError(f"unknown --speculative {spec!r}; use ngram or draft:MODEL")
+    raise SuduError(f"unknown --speculative {spec!r}; use ngram, draft:MODEL or mtp")
 
 
 class Speculator:
     """Speculative decoding behind one interface for the engine's step."""
 
-    def __init__(self, config, engine):
-        self.drafter = build_drafter(config.speculative, engine)
+    def __init__(self, config, engine, ckpt=None):
+        self.drafter = build_drafter(config.speculative, engine, ckpt)
         self.controller = SpecController(draft_len(config), config.speculative_max_batch)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.num_draft_tokens = 0
@@ -389,6 +397,11 @@ class Speculator:
                 s.draft_token_ids = d.token_ids
                 drafts[s.seq.seq_id] = d
         return drafts
+
+    def observe(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor | None) -> None:
+        """After the target's forward pass: its hidden states, for a drafter that reads them (MTP)."""
+        if getattr(self.drafter, "wants_hidden", False) and hidden is not None:
+            self.drafter.observe(scheduled, hidden)
 
     def verify(self, seq: Sequence, logits: torch.Tensor, draft: Draft, generator: torch.Generator,
                metrics) -> list[SampledToken]:

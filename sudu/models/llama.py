@@ -77,6 +77,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attention=LlamaAttention, mlp=None):
         super().__init__()
         self.config = cfg
+        self.layer_kinds = (attention, mlp)  # what a multi-token-prediction layer of this model is built from
         self.model = LlamaModel(cfg, attention, mlp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

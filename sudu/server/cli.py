@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("SUDU_API_KEY") or None
     load_failure: list[BaseException] = []
     cluster = None
-    if args.replicas is not None:  # replicas on Ray Serve: sudu/cluster/
+    if args.replicas is not None or args.pd is not None:  # replicas on Ray Serve: sudu/cluster/
         from sudu.cluster.serve import Cluster
 
         cluster = Cluster(args, config)

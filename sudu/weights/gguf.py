@@ -334,6 +334,10 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
                  "output.weight": "lm_head.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _ROUTER_BIAS = re.compile(r"^blk\.(\d+)\.exp_probs_b\.bias$")
+# DeepSeek-V3's multi-token-prediction layer parts (the rest of that layer has the decoder's names)
+_NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.([a-z_]+)\.weight$")
+_NEXTN_NAMES = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "embed_tokens": "embed_tokens",
+                "shared_head_head": "shared_head.head", "shared_head_norm": "shared_head.norm"}
 
 
 def hf_name(gguf_name: str, arch: str) -> str | None:
@@ -343,6 +347,9 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     m = _ROUTER_BIAS.match(gguf_name)
     if m is not None:
         return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
+    m = _NEXTN.match(gguf_name)
+    if m is not None and m.group(2) in _NEXTN_NAMES:
+        return f"model.layers.{m.group(1)}.{_NEXTN_NAMES[m.group(2)]}.weight"
     m = _BLOCK_RE.match(gguf_name)
     if m is None:
         return None

@@ -46,17 +46,26 @@ class Checkpoint:
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) one at a time, dequantized as they are reached, so peak memory is
         the model in `dtype` plus one float32 tensor."""
+        return self._tensors(dtype, lambda name: not self._beyond_decoder(name), "loading")
+
+    def mtp_tensors(self, dtype: torch.dtype = torch.float32, index: int = 0) -> dict[str, torch.Tensor]:
+        """The index-th multi-token-prediction layer's tensors, named as inside the layer (enorm.weight,
+        self_attn.kv_a_proj_with_mqa.weight, shared_head.head.weight, ...); empty when there is none."""
+        prefix = f"model.layers.{self.config.num_hidden_layers + index}."
+        if index >= self.config.num_nextn_predict_layers:
+            return {}
+        return {name[len(prefix):]: t for name, t in self._tensors(dtype, lambda n: n.startswith(prefix), "loading MTP")}
+
+    def _tensors(self, dtype: torch.dtype, keep, what: str) -> Iterator[tuple[str, torch.Tensor]]:
         if self.format != "gguf":
-            for name, tensor in st_weights.iter_tensors(self.path, dtype, self.config.architecture):
-                if not self._beyond_decoder(name):
-                    yield name, tensor
+            for name, tensor in st_weights.iter_tensors(self.path, dtype, self.config.architecture, keep):
+                yield name, tensor
             return
-        total = sum(int(qt.blocks.nbytes) for qt in self._quantized.values())
+        chosen = {name: qt for name, qt in self._quantized.items() if keep(name)}
+        total = sum(int(qt.blocks.nbytes) for qt in chosen.values())
         kv_b_parts: dict[str, dict[str, torch.Tensor]] = {}  # MLA files: k_b and v_b wait for each other
-        with byte_progress(self.progress, f"loading {self.path.name}", total) as advance:
-            for name, qt in self._quantized.items():
-                if self._beyond_decoder(name):
-                    continue
+        with byte_progress(self.progress, f"{what} {self.path.name}", total) as advance:
+            for name, qt in chosen.items():
                 tensor = gguf_weights.dequantize(qt).to(dtype)
                 advance(int(qt.blocks.nbytes))
                 if name.endswith(("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):

@@ -72,16 +72,18 @@ def canonical_name(name: str, arch: str | None) -> str:
 
 
 def iter_tensors(path: str | Path, dtype: torch.dtype = torch.float32,
-                 arch: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 arch: str | None = None, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) in file order, each converted to `dtype` as it is read (bounded peak memory); names as
-    canonical_name gives them for architecture `arch`."""
+    canonical_name gives them for architecture `arch`; keep(name) -> False skips a tensor unread."""
     from safetensors import safe_open
 
     for file in shard_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield canonical_name(name, arch), f.get_tensor(name).to(dtype)
+                    canonical = canonical_name(name, arch)
+                    if keep is None or keep(canonical):
+                        yield canonical, f.get_tensor(name).to(dtype)
         except SuduError:
             raise
         except Exception as exc:  # safetensors raises its own error type on a truncated header
