@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--alone-tokens", type=int, default=96)
-    p.add_argument("--long-words", type=int, default=3300, help="words of the long prompt (about 4,000 tokens)")
+    p.add_argument("--long-words", type=int, default=4000, help="words of the long prompt (about one token each)")
     p.add_argument("--lead-s", type=float, default=3.0, help="seconds the streams decode before the long prompt")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()

@@ -64,8 +64,9 @@ def measure(side: str, url: str, model: str, args) -> dict:
                         "--out", out], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         reports[name] = compare.load(sorted(glob.glob(os.path.join(out, "*.json")))[-1])
         print(f"  {side}: {name} done", flush=True)
-    prompts = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(args.n_single)]
-    reports["independent"] = independent_client.decode_speeds(url, model, prompts, args.max_tokens)
+        if name == "single":  # the independent client right after, so both see the machine in the same state
+            prompts = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(args.n_single)]
+            reports["independent"] = independent_client.decode_speeds(url, model, prompts, args.max_tokens)
     return reports
 
 
@@ -112,6 +113,8 @@ def main() -> None:
     parser.add_argument("--n-single", type=int, default=10, help="requests of single and of throughput c=1")
     parser.add_argument("--out", default="bench-results/vs-llama-server")
     parser.add_argument("--llama-dir", default=llama_server.DEFAULT_DIR)
+    parser.add_argument("--peer-first", action="store_true",
+                        help="measure llama-server first (run both orders: the VM's speed drifts over minutes)")
     args = parser.parse_args()
     binary = llama_server.require(args.llama_dir)
     from sudu.weights.catalog import resolve_model_path
@@ -128,7 +131,8 @@ def main() -> None:
                                       # suite's 512-token prompts with their chat template and answer
                                       str(SLOTS * 1024)],
     }
-    for side, command in sides.items():
+    for side in (("llama-server", "sudu") if args.peer_first else ("sudu", "llama-server")):
+        command = sides[side]
         port = free_port()
         proc = start(side, command(port), port, args.out)
         try:

@@ -153,12 +153,11 @@ def _wait_health(url: str, want: set[str], timeout_s: float) -> dict:
     raise AssertionError(f"/health never reached {want} within {timeout_s} s: {body}")
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dirs, tmp_path_factory):
+def _serve(tiny_model_dirs, log, *flags):
+    """`sudu serve` of the tiny llama on a local Ray instance with these flags, until healthy: (process, url)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("cluster") / "serve.log"
-    cmd = [sys.executable, "-m", "sudu.cli", "serve", str(tiny_model_dirs["llama"]), "--port", str(port),
-           "--replicas", "2", "--replica-cpus", "1", "--disk-cache-size", "0", "--max-model-len", str(MAX_MODEL_LEN),
+    cmd = [sys.executable, "-m", "sudu.cli", "serve", str(tiny_model_dirs["llama"]), "--port", str(port), *flags,
+           "--replica-cpus", "1", "--disk-cache-size", "0", "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-memory", "16MiB", "--served-model-name", "tiny", "--shutdown-timeout", "5"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -176,6 +175,11 @@ def cluster(tiny_model_dirs, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs, tmp_path_factory):
+    yield from _serve(tiny_model_dirs, tmp_path_factory.mktemp("cluster") / "serve.log", "--replicas", "2")
 
 
 def _tokens(start: int, n: int) -> list[int]:
@@ -323,27 +327,7 @@ def test_handoff_blocks_let_another_engine_decode_as_one_engine(tiny_model_dirs)
 
 @pytest.fixture(scope="module")
 def pd_cluster(tiny_model_dirs, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("pd") / "serve.log"
-    cmd = [sys.executable, "-m", "sudu.cli", "serve", str(tiny_model_dirs["llama"]), "--port", str(port),
-           "--pd", "1:1", "--replica-cpus", "1", "--disk-cache-size", "0", "--max-model-len", str(MAX_MODEL_LEN),
-           "--kv-cache-memory", "16MiB", "--served-model-name", "tiny", "--shutdown-timeout", "5"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        try:
-            _wait_health(url, {"ok"}, timeout_s=420)
-        except AssertionError:
-            raise AssertionError(log.read_text()[-4000:]) from None
-        yield proc, url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    yield from _serve(tiny_model_dirs, tmp_path_factory.mktemp("pd") / "serve.log", "--pd", "1:1")
 
 
 @pytest.mark.slow

@@ -76,29 +76,35 @@ def test_rotary_in_place_matches_apply_rotary(head_dim):
     assert torch.equal(wide[:, :6], out)
 
 
-@pytest.mark.parametrize("fmt,kv", [("int4", "auto"), ("int8", "auto"), ("int4", "int8")])
-def test_native_decode_stack_matches_the_layers_bit_for_bit(tiny_model_dirs, fmt, kv):
+@pytest.mark.parametrize("arch,fmt,kv", [("qwen2", "int4", "auto"), ("qwen2", "int8", "auto"), ("qwen2", "int4", "int8"),
+                                         # routed experts: a dense layer among routed ones with a gated shared
+                                         # expert (qwen2moe), top-2 of 4 with renormalised weights (mixtral)
+                                         ("qwen2moe", "int8", "auto"), ("mixtral", "int4", "auto")])
+def test_native_decode_stack_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_path_factory, arch, fmt, kv):
     """kernels/decoder.cpp runs a decode step's whole decoder stack in one call; every row must come out
     exactly as through models/llama.py's layers (same ops, same order), and steps it does not cover (prompt
     chunks) must keep taking the layers."""
     from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
+    from tests.tiny_models import save_tiny_model
 
+    path = tiny_model_dirs.get(arch) or save_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch, seed=4)
     # no prefix cache: the second run must compute every prompt in the same steps as the first (cached KV
     # from a step of another composition differs in the last bits: prompt rows attend through SDPA)
-    llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, quantization=fmt, enable_prefix_caching=False,
-              kv_cache_dtype=kv)
+    llm = LLM(str(path), progress=False, quantization=fmt, enable_prefix_caching=False, kv_cache_dtype=kv)
     model = llm.engine.runner.model
     assert model._native_decode is not None
-    fn, weights = model._native_decode
+    fn, weights, experts, moe = model._native_decode
+    assert any(experts) == (arch != "qwen2")
     calls = []
-    model._native_decode = (lambda *a: calls.append(a[0].shape[0]) or fn(*a), weights)
+    model._native_decode = (lambda *a: calls.append(a[0].shape[0]) or fn(*a), weights, experts, moe)
+    # six prompts of different lengths (decode steps of 6 rows), then one alone (steps of one row)
     prompts = [[5, 9, 13, 21, 8] * (i + 1) for i in range(6)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    native = llm.generate(prompts, params)
-    assert calls and max(calls) <= 6  # decode steps went native; prompt steps did not
+    native = llm.generate(prompts, params) + llm.generate(prompts[2:3], params)
+    assert calls and max(calls) <= 6 and 1 in calls  # decode steps went native; prompt steps did not
     model._native_decode = None
-    layers = llm.generate(prompts, params)
+    layers = llm.generate(prompts, params) + llm.generate(prompts[2:3], params)
     for a, b in zip(native, layers):
         assert a.token_ids == b.token_ids
         assert [(lp.logprob, lp.top) for lp in a.outputs[0].logprobs] == [(lp.logprob, lp.top) for lp in b.outputs[0].logprobs]

@@ -16,5 +16,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate the first `heads` heads of x [T, heads_total, D] in place (rotate-half)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax of float32 [R, V], as torch.argmax(dim=-1)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "logits of tokens a grammar's bitmask disallows to -inf, in place");
+  py::class_<MoeParams>(m, "MoeParams")
+      .def(py::init<>())
+      .def_readwrite("top_k", &MoeParams::top_k)
+      .def_readwrite("norm_topk", &MoeParams::norm_topk)
+      .def_readwrite("scaling", &MoeParams::scaling)
+      .def_readwrite("sigmoid", &MoeParams::sigmoid)
+      .def_readwrite("shared", &MoeParams::shared);
   m.def("llama_decode", &llama_decode, "a llama-family decode step's decoder stack in one call (decoder.cpp)");
 }

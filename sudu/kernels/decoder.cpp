@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -19,15 +20,27 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w
 }
 
 // The new tokens' K or V (x: [T, Hkv, D], unit stride within a head) into the pool's slots: copied into a
-// float32 pool; into an int8 one as round(x / scale) to nearest even, saturated at +-127, which is what
+// float32 pool (row by row); into an int8 one as round(x / scale) to nearest even, saturated at +-127, which is what
 // Int8KVCache.quantize computes.
 void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torch::Tensor& x,
               const torch::Tensor& scale) {
+  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
   if (pool.scalar_type() != torch::kChar) {
-    pool.index_copy_(0, slot_mapping, x);
+    // a token's heads are one contiguous run in both (a slice of the fused qkv row; a pool slot): plain copies
+    if (pool.scalar_type() != torch::kFloat || x.scalar_type() != torch::kFloat || x.stride(2) != 1 ||
+        x.stride(1) != D || !pool.is_contiguous() || pool.size(1) != Hkv || pool.size(2) != D) {
+      pool.index_copy_(0, slot_mapping, x);
+      return;
+    }
+    const float* src = x.data_ptr<float>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    float* dst = pool.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < pool.size(0), "write_kv: slot out of range");
+      std::memcpy(dst + slots[t] * Hkv * D, src + t * x.stride(0), sizeof(float) * Hkv * D);
+    }
     return;
   }
-  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
   TORCH_CHECK(x.stride(2) == 1 && scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
               scale.numel() == Hkv * D && pool.is_contiguous() && pool.size(1) == Hkv && pool.size(2) == D,
               "write_kv: bad int8 pool, scales or input");
@@ -46,11 +59,79 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
   }
 }
 
+// x @ w^T row by row (one batched vector-matrix product per row), as layers/moe.py rowwise_linear.
+torch::Tensor rowwise_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  auto wt = w.t();
+  return torch::bmm(x.unsqueeze(1), wt.expand({x.size(0), wt.size(0), wt.size(1)})).select(1, 0);
+}
+
+// One gated expert (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x, as GatedMLP.forward.
+torch::Tensor expert(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at) {
+  return linear(silu_mul(linear(x, w, at)), w, at + 2);
+}
+
+// The experts of a single token: what the general path below computes for one row (index_add_ of each
+// selected expert's weighted output into zeros, in ascending expert order) without its sort, bincount and
+// gathers, which cost more than the experts' small matmuls at batch 1.
+torch::Tensor shared_part(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t shared, const MoeParams& p,
+                          torch::Tensor out);
+
+torch::Tensor one_token_moe(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at, int64_t E,
+                            const MoeParams& p, const torch::Tensor& ids, const torch::Tensor& weights) {
+  const int64_t k = ids.size(1);
+  std::vector<std::pair<int64_t, int64_t>> chosen;  // (expert, slot)
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < k; ++j) chosen.emplace_back(id[j], j);
+  std::sort(chosen.begin(), chosen.end());
+  auto wx = weights.to(x.scalar_type());
+  auto out = torch::zeros_like(x);
+  for (const auto& [e, j] : chosen) out.add_(expert(x, w, at + 1 + 4 * e) * wx.narrow(1, j, 1));
+  return shared_part(x, w, at + 1 + 4 * E, p, out);
+}
+
+// layers/moe.py SparseMoE.forward for a router without groups or correction bias, op for op (so every row
+// comes out as through the Python layers): w[at] the router weight [E, hidden], then E experts (4 tensors
+// each), then the shared expert: shared == 1 its gate weight [1, hidden] and 4 tensors, 2: 4 tensors.
+torch::Tensor sparse_moe(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at, int64_t E,
+                         const MoeParams& p) {
+  auto logits = rowwise_linear(x.to(torch::kFloat), w[at].to(torch::kFloat));
+  auto scores = p.sigmoid ? logits.sigmoid() : logits.softmax(-1);
+  auto ids = std::get<1>(scores.topk(p.top_k, -1, true, false));
+  auto weights = scores.gather(1, ids);
+  if (p.norm_topk) weights = weights / (weights.sum(-1, true) + 1e-20);
+  if (p.scaling != 1.0) weights = weights * p.scaling;
+  if (x.size(0) == 1) return one_token_moe(x, w, at, E, p, ids, weights);
+  auto flat = ids.reshape({-1});
+  auto order = std::get<1>(flat.sort(true, 0, false));  // stable: tokens in order within an expert
+  auto counts = torch::bincount(flat, {}, E);
+  auto tokens = order.div(p.top_k, "floor");
+  auto pair_weights = weights.reshape({-1}).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
+  auto out = torch::zeros_like(x);
+  const int64_t* c = counts.data_ptr<int64_t>();
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (c[e] == 0) continue;
+    auto rows = tokens.narrow(0, start, c[e]);
+    out.index_add_(0, rows, expert(x.index_select(0, rows), w, at + 1 + 4 * e) * pair_weights.narrow(0, start, c[e]));
+    start += c[e];
+  }
+  return shared_part(x, w, at + 1 + 4 * E, p, out);
+}
+
+torch::Tensor shared_part(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t shared, const MoeParams& p,
+                          torch::Tensor out) {
+  if (p.shared == 1) out = out + torch::sigmoid(rowwise_linear(x, w[shared])) * expert(x, w, shared + 1);
+  if (p.shared == 2) out = out + expert(x, w, shared);
+  return out;
+}
+
 }  // namespace
 
 // x: [T, hidden] embeddings of the step's tokens. weights: per layer, 10 tensors: the input norm's weight;
 // qkv tiles, bias; o tiles, bias; the post-attention norm's weight; gate_up tiles, bias; down tiles, bias
 // (absent biases as empty tensors; each layer's outputs whole tiles; models/llama.py).
+// A layer with experts (experts[l] = E > 0) has, after its post-attention norm, a router and E experts
+// instead of gate_up / down (sparse_moe above: 1 + 4 E tensors, then the shared expert's 5 or 4).
 // k_caches / v_caches: each layer's pool, float32 or int8; k_scales / v_scales: an int8 pool's float32 [Hkv, D]
 // scales (empty tensors for float32 pools); slot_mapping, rows, slots, mask: the step's
 // AttentionView (decode batch). Returns the final norm of the residual stream [T, hidden].
@@ -59,14 +140,18 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
                            std::vector<torch::Tensor> v_scales, torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-                           torch::Tensor final_norm) {
+                           torch::Tensor final_norm, std::vector<int64_t> experts, MoeParams moe) {
   const size_t L = k_caches.size();
-  TORCH_CHECK(weights.size() == L * PER_LAYER && v_caches.size() == L && k_scales.size() == L &&
-              v_scales.size() == L, "llama_decode: bad weight or pool list");
+  TORCH_CHECK(experts.size() == L && v_caches.size() == L && k_scales.size() == L && v_scales.size() == L,
+              "llama_decode: bad expert or pool list");
+  const size_t shared = moe.shared == 1 ? 5 : moe.shared == 2 ? 4 : 0;
+  size_t total = 0;
+  for (size_t l = 0; l < L; ++l) total += experts[l] ? 6 + 1 + 4 * experts[l] + shared : PER_LAYER;
+  TORCH_CHECK(weights.size() == total, "llama_decode: bad weight list");
   const int64_t T = x.size(0);
   torch::Tensor residual, h;
+  size_t at = 0;
   for (size_t l = 0; l < L; ++l) {
-    const size_t at = l * PER_LAYER;
     if (l == 0) {
       residual = x;
       h = rms_norm(x, weights[at], eps);
@@ -82,7 +167,13 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
                      scale, att);
     auto o = linear(att.view({T, heads * head_dim}), weights, at + 3);
     std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 5], eps);
-    x = linear(silu_mul(linear(h, weights, at + 6)), weights, at + 8);
+    if (experts[l]) {
+      x = sparse_moe(h, weights, at + 6, experts[l], moe);
+      at += 6 + 1 + 4 * experts[l] + shared;
+    } else {
+      x = expert(h, weights, at + 6);
+      at += PER_LAYER;
+    }
   }
   return std::get<1>(add_rms_norm(residual, x, final_norm, eps));
 }

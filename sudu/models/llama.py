@@ -10,11 +10,29 @@ from sudu.layers import linear
 from sudu.layers.attention import NATIVE_MAX_Q, AttentionMetadata, QKVProjections, paged_attention
 from sudu.layers.kv_cache import Int8KVCache, KVCache
 from sudu.layers.mlp import GatedMLP
+from sudu.layers.moe import SparseMoE
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
 from sudu.models.config import ModelConfig
 
 _NO_SCALE = torch.empty(0)  # a float32 pool's place in the native stack's scale lists
+
+
+def vars_of(params) -> tuple:
+    return (params.top_k, params.norm_topk, params.scaling, params.sigmoid, params.shared)
+
+
+def moe_params(ext, moe: SparseMoE):
+    """The native stack's routing parameters for this expert layer, or None where its router uses what
+    decoder.cpp does not do (expert groups, a correction bias)."""
+    router = moe.gate
+    if router.n_group > 1 or router.e_score_correction_bias is not None or router.scoring_func not in ("softmax", "sigmoid"):
+        return None
+    params = ext.MoeParams()
+    params.top_k, params.norm_topk = router.top_k, bool(router.norm_topk_prob)
+    params.scaling, params.sigmoid = float(router.routed_scaling_factor), router.scoring_func == "sigmoid"
+    params.shared = 1 if moe.shared_expert is not None else 2 if moe.shared_experts is not None else 0
+    return params
 
 
 class LlamaAttention(QKVProjections, nn.Module):
@@ -99,19 +117,41 @@ class LlamaForCausalLM(nn.Module):
         def quantized(p) -> list[torch.Tensor]:
             return [p.qweight, p.bias if p.bias is not None else empty]
 
-        weights = []
+        def native_mlp(mlp) -> list[torch.Tensor] | None:
+            if type(mlp) is not GatedMLP or mlp._silu_mul is None:
+                return None
+            gate_up, down = mlp.gate_up_proj, mlp.down_proj
+            if not all(isinstance(p, linear.QuantizedLinear) and p.fits_native_stack() for p in (gate_up, down)):
+                return None
+            return [*quantized(gate_up), *quantized(down)]
+
+        weights, experts, moe = [], [], None
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if type(attn) is not LlamaAttention or type(mlp) is not GatedMLP:
+            qkv, o = getattr(attn, "qkv_proj", None), attn.o_proj
+            if (type(attn) is not LlamaAttention or attn.head_dim % 8
+                    or not all(isinstance(p, linear.QuantizedLinear) and p.fits_native_stack() for p in (qkv, o))):
                 return
-            qkv, o, gate_up, down = getattr(attn, "qkv_proj", None), attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-            if (not all(isinstance(p, linear.QuantizedLinear) and p.fits_native_stack() for p in (qkv, o, gate_up, down))
-                    or mlp._silu_mul is None or attn.head_dim % 8):
-                return
-            # the order decoder.cpp reads: 10 tensors per layer
-            weights += [layer.input_layernorm.weight, *quantized(qkv), *quantized(o),
-                        layer.post_attention_layernorm.weight, *quantized(gate_up), *quantized(down)]
-        self._native_decode = (ext.llama_decode, weights)
+            # the order decoder.cpp reads: norm, qkv, o, norm, then the feed-forward's tensors
+            weights += [layer.input_layernorm.weight, *quantized(qkv), *quantized(o), layer.post_attention_layernorm.weight]
+            if isinstance(mlp, SparseMoE):
+                params = moe_params(ext, mlp)
+                parts = [native_mlp(e) for e in mlp.experts]
+                shared = mlp.shared_expert if mlp.shared_expert is not None else mlp.shared_experts
+                shared_part = native_mlp(shared) if shared is not None else []
+                if params is None or (moe is not None and vars_of(moe) != vars_of(params)) or None in parts or shared_part is None:
+                    return
+                moe = params
+                gate = [mlp.shared_expert_gate.weight] if mlp.shared_expert is not None else []
+                weights += [mlp.gate.weight, *(t for part in parts for t in part), *gate, *shared_part]
+                experts.append(len(parts))
+            else:
+                part = native_mlp(mlp)
+                if part is None:
+                    return
+                weights += part
+                experts.append(0)
+        self._native_decode = (ext.llama_decode, weights, experts, moe or ext.MoeParams())
 
     def _decode_natively(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor | None:
         """The one-call native stack for a step of few-new-token sequences over float32 or int8 KV pools, or None."""
@@ -122,14 +162,14 @@ class LlamaForCausalLM(nn.Module):
                 or not all(type(c) is Int8KVCache or (type(c) is KVCache and c.k.dtype == torch.float32)
                            for c in meta.kv_caches)):
             return None
-        fn, weights = native
+        fn, weights, experts, moe = native
         attn = self.model.layers[0].self_attn
         caches = meta.kv_caches
         k_scales = [c.k_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches]
         v_scales = [c.v_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches]
         return fn(x, weights, [c.k for c in caches], [c.v for c in caches], k_scales, v_scales, view.slot_mapping, d.rows,
                   d.slots, d.mask[:, 0], cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                  self.model.norm.eps, attn.scale, self.model.norm.weight)
+                  self.model.norm.eps, attn.scale, self.model.norm.weight, experts, moe)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] (all sequences' new tokens, flat). Returns final hidden states [T, hidden]."""
