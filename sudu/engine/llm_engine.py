@@ -21,6 +21,7 @@ from sudu.engine.request import CheckedRequest
 from sudu.engine.scheduler import ScheduledSeq, Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
+from sudu.engine.memory import memory_report, rss_bytes
 from sudu.engine.speculative import Draft, Speculator
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
@@ -86,9 +87,14 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
         self.speculator = Speculator(config, self, ckpt) if config.speculative != "none" else None
+        self.memory = memory_report(self)
+        gib = 1 << 30
         log.info(
-            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens",
+            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens; memory: weights %.2f GiB, KV pool "
+            "%.2f GiB (%.2f GiB resident, the rest committed as it fills), process %.2f GiB resident",
             ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size,
+            self.memory["memory_weights_bytes"] / gib, self.memory["memory_kv_pool_bytes"] / gib,
+            max(0, self.memory["memory_kv_resident_bytes"]) / gib, self.memory["memory_rss_bytes"] / gib,
         )
 
     # ---- admission ----------------------------------------------------------------------------
@@ -458,6 +464,9 @@ class LLMEngine:
             "num_total_blocks": bm.num_blocks,
             "spec_num_draft_tokens": self.speculator.num_draft_tokens if self.speculator else 0,
             "spec_num_accepted_tokens": self.speculator.num_accepted_tokens if self.speculator else 0,
+            "memory_weights_bytes": self.memory["memory_weights_bytes"],
+            "memory_kv_pool_bytes": self.memory["memory_kv_pool_bytes"],
+            "memory_rss_bytes": rss_bytes(),
         }
 
 

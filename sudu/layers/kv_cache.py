@@ -24,6 +24,9 @@ past the range saturate at +-127 (never wrap).
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -52,14 +55,28 @@ def calibration_ids(tokenizer, config) -> list[int]:
     return [i for i in ids if i < config.vocab_size][:config.max_position_embeddings]
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero tensor whose host memory is committed only as it is written: on the CPU, anonymous pages from
+    mmap, which the kernel hands out zeroed on first touch (torch.zeros writes every page up front, so a
+    4 GiB pool would be resident before its first token). Elsewhere plain zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
 class KVCache:
     """v_head_dim: V's width where it differs from K's (multi-head latent attention keeps the rotary key part
-    as K and the compressed latent as V, layers/mla.py)."""
+    as K and the compressed latent as V, layers/mla.py). The pools take memory as they fill (zeroed_pool)."""
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", v_head_dim: int | None = None):
-        self.k = torch.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
-        self.v = torch.zeros((num_slots, num_kv_heads, v_head_dim or head_dim), dtype=dtype, device=device)
+        self.k = zeroed_pool((num_slots, num_kv_heads, head_dim), dtype, device)
+        self.v = zeroed_pool((num_slots, num_kv_heads, v_head_dim or head_dim), dtype, device)
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None) -> int:
