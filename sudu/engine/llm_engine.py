@@ -21,7 +21,7 @@ from sudu.engine.request import CheckedRequest
 from sudu.engine.scheduler import ScheduledSeq, Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
-from sudu.engine.memory import memory_report, rss_bytes
+from sudu.engine.memory import memory_report, release_freed_memory, rss_bytes
 from sudu.engine.speculative import Draft, Speculator
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
@@ -87,6 +87,7 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
         self.speculator = Speculator(config, self, ckpt) if config.speculative != "none" else None
+        release_freed_memory()
         self.memory = memory_report(self)
         gib = 1 << 30
         log.info(

@@ -18,6 +18,20 @@ def rss_bytes() -> int:
         return 0
 
 
+def release_freed_memory() -> None:
+    """Give the heap pages that loading freed (the float copies the format check and dequantization made)
+    back to the system: glibc keeps freed memory in its arenas, resident, until asked (malloc_trim).
+    A no-op where the C library has no malloc_trim."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _storages(tensors) -> dict[int, int]:
     out: dict[int, int] = {}
     for t in tensors:
