@@ -123,7 +123,10 @@ class Cluster:
         prefill = None
         if self.num_prefill:  # the prefill replicas: an application of their own, the same replica class
             prefill = deploy(PREFILL_APP_NAME, self.num_prefill)
-            prefill.check_handoff.remote().result(timeout_s=60)  # a model the handoff cannot carry fails here
+            try:  # a model the handoff cannot carry fails here, with the replica's reason
+                prefill.check_handoff.remote().result(timeout_s=60)
+            except Exception as exc:  # noqa: BLE001 -- Ray wraps the replica's error; keep its message only
+                raise ValueError(str(getattr(exc, "cause", None) or exc).strip().splitlines()[-1]) from None
         handle = deploy(APP_NAME, args.replicas)
         info = handle.describe.remote().result(timeout_s=60)
         self.engine = ClusterEngine(APP_NAME, handle, info, self.config.block_size, args.replicas,
