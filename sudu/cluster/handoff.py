@@ -57,13 +57,7 @@ def check_handoff_supported(engine) -> None:
 def export_prompt_blocks(engine, token_ids: list[int]) -> np.ndarray:
     """The leading run of the prompt's full blocks found in the prefix cache, as bytes. Engine thread."""
     bm = engine.block_manager
-    hashes, ids = _prompt_blocks(engine, token_ids)
-    found = []
-    for h, block_tokens in zip(hashes, ids):
-        block_id = bm.pool.lookup(h, block_tokens)
-        if block_id is None:
-            break
-        found.append(block_id)
+    found = bm.cached_run(*_prompt_blocks(engine, token_ids))
     return bm.block_io.gather(found, found).numpy()
 
 
@@ -76,15 +70,10 @@ def import_prompt_blocks(engine, token_ids: list[int], payload: np.ndarray) -> i
     hashes, ids = _prompt_blocks(engine, token_ids)
     written = 0
     for b in range(min(len(hashes), payload.shape[0])):
-        if bm.pool.lookup(hashes[b], ids[b]) is not None:
-            continue
-        if bm.pool.num_free == 0:
+        if bm.cache_block(hashes[b], ids[b], np.ascontiguousarray(payload[b])):
+            written += 1
+        elif bm.pool.num_free == 0:
             break
-        block_id = bm.pool.allocate()
-        bm.pool.register(block_id, hashes[b], ids[b])
-        bm.block_io.scatter(np.ascontiguousarray(payload[b]), block_id, None)
-        bm.pool.release(block_id)  # cached and free: the request's prefix match takes it
-        written += 1
     return written
 
 

@@ -375,6 +375,29 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
+    # ---- blocks that arrive or leave as bytes (a prefill replica's handoff, cluster/handoff.py) ---------------
+    def cached_run(self, hashes: list[bytes], token_blocks: list[tuple[int, ...]]) -> list[int]:
+        """Pool ids of the leading run of these blocks (ids and their tokens) that the RAM tier holds."""
+        found = []
+        for h, ids in zip(hashes, token_blocks):
+            block_id = self.pool.lookup(h, ids)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def cache_block(self, h: bytes, token_ids: tuple[int, ...], payload) -> bool:
+        """Write one block's bytes (KVBlockIO's layout) into a free pool block, registered under its id and
+        left free, so a prefix match takes it. False when the RAM tier holds it already or has no free
+        block; global pools only (no sliding-window pool)."""
+        if self.pool.lookup(h, token_ids) is not None or self.pool.num_free == 0:
+            return False
+        block_id = self.pool.allocate()
+        self.pool.register(block_id, h, token_ids)
+        self.block_io.scatter(payload, block_id, None)
+        self.pool.release(block_id)
+        return True
+
     def cached_block_ids(self) -> list[bytes]:
         """Ids of every block a prefix lookup can find now, RAM and disk tiers together (a replica's cache
         summary for the router). Safe from another thread: tuple() copies the dict in one step."""

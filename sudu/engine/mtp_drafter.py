@@ -79,9 +79,9 @@ class MTPDrafter:
             kept = self.hidden.get(s.seq.seq_id)
             if kept is not None and kept[0] <= start <= kept[0] + kept[1].shape[0]:
                 first, old = kept
-                rows = torch.cat([old[:start - first], rows])
-                start = first
-            self.hidden[s.seq.seq_id] = (start, rows.clone())
+                self.hidden[s.seq.seq_id] = (first, torch.cat([old[:start - first], rows]))
+            else:  # a copy: the step's hidden states are not kept whole
+                self.hidden[s.seq.seq_id] = (start, rows.clone())
 
     def _hidden_rows(self, seq: Sequence, begin: int, end: int, width: int) -> torch.Tensor:
         """The target hidden states of positions begin..end-1 (zeros where none was computed)."""

@@ -70,12 +70,18 @@ torch::Tensor expert(const torch::Tensor& x, const std::vector<torch::Tensor>& w
   return linear(silu_mul(linear(x, w, at)), w, at + 2);
 }
 
+// out plus the shared expert's output: p.shared == 1 its gate weight [1, hidden] at w[shared] and 4 tensors,
+// 2: 4 tensors (layers/moe.py SparseMoE.forward).
+torch::Tensor shared_part(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t shared, const MoeParams& p,
+                          torch::Tensor out) {
+  if (p.shared == 1) out = out + torch::sigmoid(rowwise_linear(x, w[shared])) * expert(x, w, shared + 1);
+  if (p.shared == 2) out = out + expert(x, w, shared);
+  return out;
+}
+
 // The experts of a single token: what the general path below computes for one row (index_add_ of each
 // selected expert's weighted output into zeros, in ascending expert order) without its sort, bincount and
 // gathers, which cost more than the experts' small matmuls at batch 1.
-torch::Tensor shared_part(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t shared, const MoeParams& p,
-                          torch::Tensor out);
-
 torch::Tensor one_token_moe(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at, int64_t E,
                             const MoeParams& p, const torch::Tensor& ids, const torch::Tensor& weights) {
   const int64_t k = ids.size(1);
@@ -91,7 +97,7 @@ torch::Tensor one_token_moe(const torch::Tensor& x, const std::vector<torch::Ten
 
 // layers/moe.py SparseMoE.forward for a router without groups or correction bias, op for op (so every row
 // comes out as through the Python layers): w[at] the router weight [E, hidden], then E experts (4 tensors
-// each), then the shared expert: shared == 1 its gate weight [1, hidden] and 4 tensors, 2: 4 tensors.
+// each), then the shared expert's tensors (shared_part).
 torch::Tensor sparse_moe(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at, int64_t E,
                          const MoeParams& p) {
   auto logits = rowwise_linear(x.to(torch::kFloat), w[at].to(torch::kFloat));
@@ -118,13 +124,6 @@ torch::Tensor sparse_moe(const torch::Tensor& x, const std::vector<torch::Tensor
   return shared_part(x, w, at + 1 + 4 * E, p, out);
 }
 
-torch::Tensor shared_part(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t shared, const MoeParams& p,
-                          torch::Tensor out) {
-  if (p.shared == 1) out = out + torch::sigmoid(rowwise_linear(x, w[shared])) * expert(x, w, shared + 1);
-  if (p.shared == 2) out = out + expert(x, w, shared);
-  return out;
-}
-
 }  // namespace
 
 // x: [T, hidden] embeddings of the step's tokens. weights: per layer, 10 tensors: the input norm's weight;
@@ -145,8 +144,10 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
   TORCH_CHECK(experts.size() == L && v_caches.size() == L && k_scales.size() == L && v_scales.size() == L,
               "llama_decode: bad expert or pool list");
   const size_t shared = moe.shared == 1 ? 5 : moe.shared == 2 ? 4 : 0;
+  // tensors of layer l: norm, qkv, o, norm (6), then the dense MLP's 4 or the router, experts and shared expert
+  auto layer_len = [&](size_t l) { return experts[l] ? 6 + 1 + 4 * experts[l] + shared : PER_LAYER; };
   size_t total = 0;
-  for (size_t l = 0; l < L; ++l) total += experts[l] ? 6 + 1 + 4 * experts[l] + shared : PER_LAYER;
+  for (size_t l = 0; l < L; ++l) total += layer_len(l);
   TORCH_CHECK(weights.size() == total, "llama_decode: bad weight list");
   const int64_t T = x.size(0);
   torch::Tensor residual, h;
@@ -167,13 +168,8 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
                      scale, att);
     auto o = linear(att.view({T, heads * head_dim}), weights, at + 3);
     std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 5], eps);
-    if (experts[l]) {
-      x = sparse_moe(h, weights, at + 6, experts[l], moe);
-      at += 6 + 1 + 4 * experts[l] + shared;
-    } else {
-      x = expert(h, weights, at + 6);
-      at += PER_LAYER;
-    }
+    x = experts[l] ? sparse_moe(h, weights, at + 6, experts[l], moe) : expert(h, weights, at + 6);
+    at += layer_len(l);
   }
   return std::get<1>(add_rms_norm(residual, x, final_norm, eps));
 }
