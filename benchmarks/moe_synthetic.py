@@ -14,14 +14,13 @@ qwen2_moe directory (float32 safetensors, the GGUF's dequantized weights, tokeni
   step actually reads (attention, 2 experts per layer, router, head, one embedding row), and at batch 8
   the tok/s next to the bytes of the union of experts the batch touched (counted per step by hooks).
 
-    flock /tmp/sudu-bench.lock python -m benchmarks.moe_synthetic [--parts exact,top2] [--tokens 64]
+    flock /tmp/sudu-bench.lock python -m benchmarks.moe_synthetic [--parts exact,top2] [--tokens 64] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -125,55 +124,82 @@ def step_bytes(llm, expert_calls: int) -> float:
     return total + expert_calls * per_expert + c.hidden_size * 4
 
 
-def top2(workdir: Path, tokens: int) -> None:
-    from sudu.engine.llm import LLM
+def decode_rate(llm, batch: int, tokens: int) -> float:
+    """Decode tok/s of `batch` greedy streams of `tokens` tokens (first token to last)."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(batch)]
+    results = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    decode_s = max(r.metrics.finished_time for r in results) - min(r.metrics.first_token_time for r in results)
+    return sum(len(r.token_ids) - 1 for r in results) / decode_s
 
-    moe_dir = build_moe_dir(workdir / "moe-top2", top_k=2, router_seed=0)
-    llm = LLM(str(moe_dir), progress=False, quantization="int8", num_threads=2)
+
+def count_expert_calls(llm, batch: int, tokens: int) -> float:
+    """Expert calls per step, counted by hooks on the layer-by-layer path; the native stack routes the same
+    tokens to the same experts (bit for bit: tests/test_ops.py), so the count holds for it."""
     model = llm.engine.runner.model
-    native = model._native_decode  # decode steps in one native call (kernels/decoder.cpp), routed layers too
+    native, model._native_decode = model._native_decode, None
     calls = [0]
-
-    def count(*_):
-        calls[0] += 1
-
     experts = [m for name, m in model.named_modules() if name.endswith(tuple(f"experts.{e}" for e in range(NUM_EXPERTS)))]
-    greedy(llm, PROMPTS[:1], 4)  # warm-up
-    layers = llm.engine.runner.model_cfg.num_hidden_layers
-    for batch in (1, 8):
+    hooks = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in experts]
+    try:
         prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(batch)]
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        # the experts a step calls, counted by hooks on the layer-by-layer path; the native stack routes the
-        # same tokens to the same experts (bit for bit: tests/test_ops.py), so the count holds for it
-        model._native_decode = None
-        hooks = [m.register_forward_hook(count) for m in experts]
-        calls[0] = 0
-        llm.generate(prompts, params)
-        expert_calls = calls[0] / tokens  # per step: one prefill step, then tokens - 1 decode steps
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    finally:
         for h in hooks:
             h.remove()
         model._native_decode = native
-        t0 = time.perf_counter()
-        results = llm.generate(prompts, params)
-        wall = time.perf_counter() - t0
-        decode_s = max(r.metrics.finished_time for r in results) - min(r.metrics.first_token_time for r in results)
-        n = sum(len(r.token_ids) - 1 for r in results)
-        tok_s = n / decode_s
-        bandwidth = measure_bandwidth_gbs(threads=2)
-        nbytes = step_bytes(llm, expert_calls)
-        steps_per_s = tok_s / batch
-        limit_steps = bandwidth * 1e9 / nbytes
-        print(f"top-2 of 8, int8, batch {batch} ({'native stack' if native else 'layers'}): {tok_s:.1f} tok/s "
-              f"({steps_per_s:.1f} steps/s), expert calls per step {expert_calls:.1f} of {layers * NUM_EXPERTS} "
-              f"({expert_calls / layers:.2f} per layer), {nbytes / 1e6:.0f} MB read per step, bandwidth "
-              f"{bandwidth:.1f} GB/s -> limit {limit_steps:.1f} steps/s, achieved {steps_per_s / limit_steps:.0%} "
-              f"(wall {wall:.1f} s)")
+    return calls[0] / tokens  # per step: one prefill step, then tokens - 1 decode steps
+
+
+def top2(workdir: Path, tokens: int, rounds: int) -> None:
+    """Batch 1: `rounds` interleaved rounds of (routed decode, bandwidth probe, dense decode, bandwidth
+    probe), each decode's fraction of the roofline taken against the probe right after it; this VM's
+    bandwidth moves by a quarter over minutes, so one run is not a figure, the median of the rounds is.
+    Batch 8: one run next to the bytes of the union of experts the batch touched."""
+    import statistics
+
+    from sudu.engine.llm import LLM
+    from sudu.roofline import bytes_per_token
+
+    moe_dir = build_moe_dir(workdir / "moe-top2", top_k=2, router_seed=0)
+    llm = LLM(str(moe_dir), progress=False, quantization="int8", num_threads=2)
+    dense = LLM(DENSE, progress=False, quantization="int8", num_threads=2)
+    layers = llm.engine.runner.model_cfg.num_hidden_layers
+    dense_bytes = bytes_per_token(dense.engine.runner.model_cfg, "int8")
+    for m in (llm, dense):
+        greedy(m, PROMPTS[:1], 4)  # warm-up
+    calls = count_expert_calls(llm, 1, tokens)
+    nbytes = step_bytes(llm, calls)
+    print(f"top-2 of 8, int8, batch 1: {calls:.1f} expert calls per step of {layers * NUM_EXPERTS} "
+          f"({calls / layers:.2f} per layer), {nbytes / 1e6:.0f} MB read per step; dense int8 {dense_bytes / 1e6:.0f} MB")
+    fractions = {"routed": [], "dense": []}
+    for r in range(rounds):
+        line = []
+        for name, model, step in (("routed", llm, nbytes), ("dense", dense, dense_bytes)):
+            tok_s = decode_rate(model, 1, tokens)
+            bandwidth = measure_bandwidth_gbs(threads=2)
+            achieved = tok_s * step / (bandwidth * 1e9)
+            fractions[name].append(achieved)
+            line.append(f"{name} {tok_s:.1f} tok/s, bandwidth after {bandwidth:.1f} GB/s -> {achieved:.0%}")
+        print(f"  round {r + 1}/{rounds}: " + "; ".join(line), flush=True)
+    for name, values in fractions.items():
+        print(f"batch 1, {name}: median {statistics.median(values):.0%} of the roofline "
+              f"(rounds: {', '.join(f'{v:.0%}' for v in values)})")
+    print(f"routed / dense efficiency, median of the rounds' ratios: "
+          f"{statistics.median(a / b for a, b in zip(fractions['routed'], fractions['dense'])):.2f}")
+    calls = count_expert_calls(llm, 8, tokens)
+    nbytes = step_bytes(llm, calls)
+    tok_s = decode_rate(llm, 8, tokens)
+    bandwidth = measure_bandwidth_gbs(threads=2)
+    print(f"top-2 of 8, int8, batch 8: {tok_s:.1f} tok/s ({tok_s / 8:.1f} steps/s), union of experts "
+          f"{calls / layers:.2f} of {NUM_EXPERTS} per layer, {nbytes / 1e6:.0f} MB read per step, bandwidth after "
+          f"{bandwidth:.1f} GB/s -> {tok_s / 8 * nbytes / (bandwidth * 1e9):.0%} of the roofline")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="exact,top2")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved routed/dense rounds at batch 1")
     ap.add_argument("--workdir", default="/tmp/sudu-moe-synthetic")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -181,7 +207,7 @@ def main() -> None:
     if "exact" in parts:
         exact(Path(args.workdir), args.tokens)
     if "top2" in parts:
-        top2(Path(args.workdir), args.tokens)
+        top2(Path(args.workdir), args.tokens, args.rounds)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,32 @@ def test_v3_router_matches_transformers():
     torch.testing.assert_close(w.gather(1, got_order), ref_w.gather(1, order))
     # group limit: every token's experts lie in at most topk_group groups
     assert all(len(set((row // 4).tolist())) <= 2 for row in ids)
+
+
+@pytest.mark.parametrize("scoring,norm,scaling,k", [("softmax", True, 1.0, 2), ("softmax", False, 2.5, 3),
+                                                    ("sigmoid", True, 1.0, 4), ("softmax", False, 1.0, 8)])
+def test_native_router_matches_the_torch_router(scoring, norm, scaling, k):
+    """kernels/moe.cpp moe_route (what the layers and the native decode stack route with on CPU) chooses
+    the experts the PyTorch router chooses, with the same weights, and a row's choice does not depend on
+    the rows next to it."""
+    from sudu import kernels
+
+    if kernels.load() is None:
+        pytest.skip("native kernels unavailable")
+    cfg = moe_config(num_experts_per_tok=k, norm_topk_prob=norm, scoring_func=scoring, routed_scaling_factor=scaling)
+    router = random_moe(cfg).gate
+    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        w, ids = router(x)
+        assert router._native  # the native route was taken
+        router._native = False  # the PyTorch path
+        ref_w, ref_ids = router(x)
+    assert torch.equal(ids, ids.sort(dim=1).values)  # ascending expert ids
+    ref_sorted, order = ref_ids.sort(dim=1)
+    assert torch.equal(ids, ref_sorted)
+    torch.testing.assert_close(w, ref_w.gather(1, order), atol=1e-6, rtol=1e-5)
+    router._native = None
+    with torch.no_grad():
+        alone = [router(x[t:t + 1]) for t in range(0, 40, 7)]
+    for t, (wa, ia) in zip(range(0, 40, 7), alone):
+        assert torch.equal(ia[0], ids[t]) and torch.equal(wa[0], w[t])

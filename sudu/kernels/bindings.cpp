@@ -1,6 +1,6 @@
 // The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers),
 // attention.cpp (attention of few new tokens over the paged KV pool), ops.cpp (a decoder layer's
-// elementwise steps) and decoder.cpp (a whole decode step's decoder stack).
+// elementwise steps), decoder.cpp (a whole decode step's decoder stack) and moe.cpp (routed experts).
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,5 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scaling", &MoeParams::scaling)
       .def_readwrite("sigmoid", &MoeParams::sigmoid)
       .def_readwrite("shared", &MoeParams::shared);
+  m.def("moe_route", &moe_route, "each row's experts (ascending) and weights under a router weight (moe.cpp)");
   m.def("llama_decode", &llama_decode, "a llama-family decode step's decoder stack in one call (decoder.cpp)");
 }

@@ -59,78 +59,18 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
   }
 }
 
-// x @ w^T row by row (one batched vector-matrix product per row), as layers/moe.py rowwise_linear.
-torch::Tensor rowwise_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  auto wt = w.t();
-  return torch::bmm(x.unsqueeze(1), wt.expand({x.size(0), wt.size(0), wt.size(1)})).select(1, 0);
-}
+}  // namespace
 
-// One gated expert (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x, as GatedMLP.forward.
-torch::Tensor expert(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at) {
+// One gated MLP (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x, as GatedMLP.forward.
+torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at) {
   return linear(silu_mul(linear(x, w, at)), w, at + 2);
 }
-
-// out plus the shared expert's output: p.shared == 1 its gate weight [1, hidden] at w[shared] and 4 tensors,
-// 2: 4 tensors (layers/moe.py SparseMoE.forward).
-torch::Tensor shared_part(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t shared, const MoeParams& p,
-                          torch::Tensor out) {
-  if (p.shared == 1) out = out + torch::sigmoid(rowwise_linear(x, w[shared])) * expert(x, w, shared + 1);
-  if (p.shared == 2) out = out + expert(x, w, shared);
-  return out;
-}
-
-// The experts of a single token: what the general path below computes for one row (index_add_ of each
-// selected expert's weighted output into zeros, in ascending expert order) without its sort, bincount and
-// gathers, which cost more than the experts' small matmuls at batch 1.
-torch::Tensor one_token_moe(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at, int64_t E,
-                            const MoeParams& p, const torch::Tensor& ids, const torch::Tensor& weights) {
-  const int64_t k = ids.size(1);
-  std::vector<std::pair<int64_t, int64_t>> chosen;  // (expert, slot)
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t j = 0; j < k; ++j) chosen.emplace_back(id[j], j);
-  std::sort(chosen.begin(), chosen.end());
-  auto wx = weights.to(x.scalar_type());
-  auto out = torch::zeros_like(x);
-  for (const auto& [e, j] : chosen) out.add_(expert(x, w, at + 1 + 4 * e) * wx.narrow(1, j, 1));
-  return shared_part(x, w, at + 1 + 4 * E, p, out);
-}
-
-// layers/moe.py SparseMoE.forward for a router without groups or correction bias, op for op (so every row
-// comes out as through the Python layers): w[at] the router weight [E, hidden], then E experts (4 tensors
-// each), then the shared expert's tensors (shared_part).
-torch::Tensor sparse_moe(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at, int64_t E,
-                         const MoeParams& p) {
-  auto logits = rowwise_linear(x.to(torch::kFloat), w[at].to(torch::kFloat));
-  auto scores = p.sigmoid ? logits.sigmoid() : logits.softmax(-1);
-  auto ids = std::get<1>(scores.topk(p.top_k, -1, true, false));
-  auto weights = scores.gather(1, ids);
-  if (p.norm_topk) weights = weights / (weights.sum(-1, true) + 1e-20);
-  if (p.scaling != 1.0) weights = weights * p.scaling;
-  if (x.size(0) == 1) return one_token_moe(x, w, at, E, p, ids, weights);
-  auto flat = ids.reshape({-1});
-  auto order = std::get<1>(flat.sort(true, 0, false));  // stable: tokens in order within an expert
-  auto counts = torch::bincount(flat, {}, E);
-  auto tokens = order.div(p.top_k, "floor");
-  auto pair_weights = weights.reshape({-1}).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
-  auto out = torch::zeros_like(x);
-  const int64_t* c = counts.data_ptr<int64_t>();
-  int64_t start = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (c[e] == 0) continue;
-    auto rows = tokens.narrow(0, start, c[e]);
-    out.index_add_(0, rows, expert(x.index_select(0, rows), w, at + 1 + 4 * e) * pair_weights.narrow(0, start, c[e]));
-    start += c[e];
-  }
-  return shared_part(x, w, at + 1 + 4 * E, p, out);
-}
-
-}  // namespace
 
 // x: [T, hidden] embeddings of the step's tokens. weights: per layer, 10 tensors: the input norm's weight;
 // qkv tiles, bias; o tiles, bias; the post-attention norm's weight; gate_up tiles, bias; down tiles, bias
 // (absent biases as empty tensors; each layer's outputs whole tiles; models/llama.py).
 // A layer with experts (experts[l] = E > 0) has, after its post-attention norm, a router and E experts
-// instead of gate_up / down (sparse_moe above: 1 + 4 E tensors, then the shared expert's 5 or 4).
+// instead of gate_up / down (moe.cpp sparse_moe: 1 + 4 E tensors, then the shared expert's 5 or 4).
 // k_caches / v_caches: each layer's pool, float32 or int8; k_scales / v_scales: an int8 pool's float32 [Hkv, D]
 // scales (empty tensors for float32 pools); slot_mapping, rows, slots, mask: the step's
 // AttentionView (decode batch). Returns the final norm of the residual stream [T, hidden].
@@ -168,7 +108,7 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
                      scale, att);
     auto o = linear(att.view({T, heads * head_dim}), weights, at + 3);
     std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 5], eps);
-    x = experts[l] ? sparse_moe(h, weights, at + 6, experts[l], moe) : expert(h, weights, at + 6);
+    x = experts[l] ? sparse_moe(h, weights, at + 6, experts[l], moe) : gated_mlp(h, weights, at + 6);
     at += layer_len(l);
   }
   return std::get<1>(add_rms_norm(residual, x, final_norm, eps));

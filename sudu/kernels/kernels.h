@@ -8,6 +8,16 @@
 #include <vector>
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
+// One row's product with packed tiles q: y [16 * tiles] = qlinear(x [1, K], q, bias), written in place.
+struct QProduct {
+  const float* x;
+  int64_t K;
+  const torch::Tensor* q;
+  const torch::Tensor* bias;  // null or empty: none
+  float* y;
+};
+// Several such products in one parallel region (the experts a token chose), each exactly as qlinear.
+void qlinear_products(std::vector<QProduct>& products);
 torch::Tensor dequantize(torch::Tensor q, bool bf16);
 std::string isa();
 std::string set_isa(const std::string& name);
@@ -16,6 +26,8 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
+// One row of silu_mul: gu [2I] -> out [I].
+void silu_mul_row(const float* gu, int64_t I, float* out);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 torch::Tensor argmax_rows(torch::Tensor x);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask);
@@ -27,6 +39,15 @@ struct MoeParams {
   bool sigmoid = false;  // scores: sigmoid (else softmax)
   int64_t shared = 0;    // 0 none, 1 a shared expert scaled by sigmoid(x . gate), 2 shared experts unscaled
 };
+// Expert choice per row of x [T, hidden] against the router weight w [E, hidden] (both float32), under p's
+// top_k, scoring, renormalisation and scaling: (weights float32 [T, k], expert ids int64 [T, k], ascending).
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor x, torch::Tensor w, MoeParams p);
+// One gated MLP (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x (decoder.cpp).
+torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at);
+// layers/moe.py SparseMoE.forward on rows x: w[at] the router weight, then E experts (4 tensors each), then
+// the shared expert's (moe.cpp).
+torch::Tensor sparse_moe(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at, int64_t E,
+                         const MoeParams& p);
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
                            std::vector<torch::Tensor> v_scales, torch::Tensor slot_mapping, torch::Tensor rows,

@@ -72,7 +72,20 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
   return {sum, out};
 }
 
-// gu [T, 2I] (gate | up) -> silu(gate) * up [T, I], silu(g) = g / (1 + exp(-g))
+// gu [2I] (gate | up) -> silu(gate) * up [I], silu(g) = g / (1 + exp(-g))
+void silu_mul_row(const float* g, int64_t I, float* o) {
+  const float* u = g + I;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t j = 0;
+  for (; j + 8 <= I; j += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + j);
+    const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+  }
+  for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+}
+
+// gu [T, 2I] (gate | up) -> silu(gate) * up [T, I]
 torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
               "gate_up must be contiguous float32 [T, 2I]");
@@ -81,18 +94,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, gu.size(0), grain(I), [&](int64_t t0, int64_t t1) {
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *g = gp + t * 2 * I, *u = g + I;
-      float* o = op + t * I;
-      int64_t j = 0;
-      for (; j + 8 <= I; j += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + j);
-        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
-      }
-      for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
-    }
+    for (int64_t t = t0; t < t1; ++t) silu_mul_row(gp + t * 2 * I, I, op + t * I);
   });
   return out;
 }

@@ -25,8 +25,12 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
+
+#include "kernels.h"
 
 namespace {
 
@@ -269,27 +273,31 @@ bool cpu_has_vnni() {
 }
 bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
 
-// Activations quantized once per call, tiles split over threads. Up to MR_VNNI (AVX2: MR) activation
-// rows, a thread's tiles go through one kernel call; with more, each tile meets every row chunk while it
-// sits in L1/L2. y has ntiles * 16 columns.
+// One product of a call: its activation rows quantized once, its tiles, bias (padded to whole tiles) and output.
+struct Job {
+  bool int4;
+  int64_t K, nb, ntiles, first;  // first: its tiles' offset in the call's tile range
+  const uint8_t* p;
+  const float* bias;
+  float* y;  // [M, 16 * ntiles]
+  std::vector<int8_t> xq;
+  std::vector<float> sx, xsum, padded;
+  std::vector<int32_t> isum;
+};
+
+// Tiles [t0, t1) of one job against its M activation rows. Up to MR_VNNI (AVX2: MR) rows, the tiles go
+// through one kernel call; with more, each tile meets every row chunk while it sits in L1/L2.
 template <bool INT4>
-void qlinear_tiles_impl(const float* x, int64_t M, int64_t K, const uint8_t* p, int64_t ntiles, const float* bias,
-                        float* y) {
-  const int64_t nb = K / 32, tile_bytes = tile_bytes_of(INT4, nb), ldy = ntiles * TILE_ROWS;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> sx(M * nb), xsum(M * nb);
-  std::vector<int32_t> isum(M * nb);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x + m * K, K, xq.data() + m * K, sx.data() + m * nb, xsum.data() + m * nb, isum.data() + m * nb);
+void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
+  const int64_t K = j.K, nb = j.nb, tile_bytes = tile_bytes_of(INT4, nb), ldy = j.ntiles * TILE_ROWS;
   const bool vnni = use_vnni;
-  // `count` tiles from tile t against the activation rows of every chunk
   auto run = [&](int64_t t, int64_t count) {
     auto chunk = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
-      const uint8_t* tp = p + t * tile_bytes;
-      const Acts a{xq.data() + m * K, sx.data() + m * nb, xsum.data() + m * nb, isum.data() + m * nb, K, nb};
-      const float* b = bias ? bias + TILE_ROWS * t : nullptr;
-      float* out = y + m * ldy + TILE_ROWS * t;
+      const uint8_t* tp = j.p + t * tile_bytes;
+      const Acts a{j.xq.data() + m * K, j.sx.data() + m * nb, j.xsum.data() + m * nb, j.isum.data() + m * nb, K, nb};
+      const float* b = j.bias ? j.bias + TILE_ROWS * t : nullptr;
+      float* out = j.y + m * ldy + TILE_ROWS * t;
       if (!vnni) dot_tiles<INT4, R>(tp, count, a, b, out, ldy);
       else dot_tiles_vnni<INT4, R, R <= 2 ? 4 : 2>(tp, count, a, b, out, ldy);
     };
@@ -298,11 +306,26 @@ void qlinear_tiles_impl(const float* x, int64_t M, int64_t K, const uint8_t* p, 
     else
       row_chunks<MR>(M, chunk);
   };
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-    if (M <= (vnni ? MR_VNNI : MR)) {
-      run(t0, t1 - t0);
-    } else {
-      for (int64_t t = t0; t < t1; ++t) run(t, 1);
+  if (M <= (vnni ? MR_VNNI : MR)) {
+    run(t0, t1 - t0);
+  } else {
+    for (int64_t t = t0; t < t1; ++t) run(t, 1);
+  }
+}
+
+// The jobs' tiles as one range split over threads: one fork and join for all of them, each thread
+// streaming consecutive tiles. A tile's outputs do not depend on which thread or call computes it.
+void run_jobs(std::vector<Job>& jobs, int64_t M) {
+  int64_t total = 0;
+  for (auto& j : jobs) {
+    j.first = total;
+    total += j.ntiles;
+  }
+  at::parallel_for(0, total, 1, [&](int64_t t0, int64_t t1) {
+    for (const auto& j : jobs) {
+      const int64_t a = std::max(t0, j.first), b = std::min(t1, j.first + j.ntiles);
+      if (a >= b) continue;
+      (j.int4 ? run_tiles<true> : run_tiles<false>)(j, M, a - j.first, b - j.first);
     }
   });
 }
@@ -421,6 +444,42 @@ bool check_tiles(const torch::Tensor& q, int64_t K) {
   return int4;
 }
 
+// Sets j up for a product of x's M rows with q (checked): quantizes the rows and pads the bias to whole
+// tiles. j's buffers are reused (a decode step makes a few hundred such products).
+void set_job(Job& j, const float* x, int64_t M, int64_t K, const torch::Tensor& q, const torch::Tensor* bias,
+             float* y) {
+  j.int4 = check_tiles(q, K);
+  j.K = K;
+  j.nb = K / 32;
+  j.ntiles = q.size(0);
+  j.p = q.data_ptr<uint8_t>();
+  j.y = y;
+  j.bias = nullptr;
+  const int64_t N = j.ntiles * TILE_ROWS;
+  if (bias && bias->defined() && bias->numel()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() <= N &&
+                bias->numel() > N - TILE_ROWS, "bad bias");
+    j.bias = bias->data_ptr<float>();
+    if (bias->numel() < N) {  // the padding rows'
+      j.padded.assign(N, 0.f);
+      std::copy(j.bias, j.bias + bias->numel(), j.padded.begin());
+      j.bias = j.padded.data();
+    }
+  }
+  j.xq.resize(M * K);
+  j.sx.resize(M * j.nb);
+  j.xsum.resize(M * j.nb);
+  j.isum.resize(M * j.nb);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row_q8(x + m * K, K, j.xq.data() + m * K, j.sx.data() + m * j.nb, j.xsum.data() + m * j.nb,
+                    j.isum.data() + m * j.nb);
+}
+
+// A calling thread's reusable jobs for products of a few rows (larger ones allocate their own, so a
+// prompt's buffers are not held).
+constexpr int64_t REUSED_ELEMENTS = 1 << 16;
+thread_local std::vector<Job> reused_jobs;
+
 }  // namespace
 
 // x: float32 [M, K]; q: packed tiles (check_tiles) -> y [M, 16 * tiles], the padding rows' outputs included.
@@ -429,23 +488,26 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Ten
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0) * TILE_ROWS;
-  const bool int4 = check_tiles(q, K);
-  const float* b = nullptr;
-  std::vector<float> padded;
-  if (bias.has_value() && bias->defined() && bias->numel()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() <= N &&
-                bias->numel() > N - TILE_ROWS, "bad bias");
-    b = bias->data_ptr<float>();
-    if (bias->numel() < N) {  // the padding rows'
-      padded.assign(N, 0.f);
-      std::copy(b, b + bias->numel(), padded.begin());
-      b = padded.data();
-    }
-  }
   auto y = torch::empty({M, N}, x.options());
-  (int4 ? qlinear_tiles_impl<true> : qlinear_tiles_impl<false>)(x.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(),
-                                                                 q.size(0), b, y.data_ptr<float>());
+  const torch::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  std::vector<Job> own;
+  std::vector<Job>& jobs = M * K <= REUSED_ELEMENTS ? reused_jobs : own;
+  jobs.resize(1);
+  set_job(jobs[0], x.data_ptr<float>(), M, K, q, b, y.data_ptr<float>());
+  run_jobs(jobs, M);
   return y;
+}
+
+// Several one-row products in one parallel region (kernels.h QProduct): what qlinear computes for each.
+void qlinear_products(std::vector<QProduct>& products) {
+  std::vector<Job>& jobs = reused_jobs;
+  jobs.resize(products.size());
+  for (size_t i = 0; i < products.size(); ++i) {
+    const QProduct& p = products[i];
+    TORCH_CHECK(p.K <= REUSED_ELEMENTS, "qlinear_products: rows longer than its buffers");
+    set_job(jobs[i], p.x, 1, p.K, *p.q, p.bias, p.y);
+  }
+  run_jobs(jobs, 1);
 }
 
 // The weights as float32, or bfloat16 with bf16 = true (for prefill: dequantize, then one GEMM):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from sudu import kernels
 from sudu.layers.linear import FloatWeight
 from sudu.layers.mlp import GatedMLP
 
@@ -54,9 +55,29 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
         else:
             self.e_score_correction_bias = None
+        self._native = None  # (kernels' moe_route, its MoeParams) where it applies: see native_params
+
+    def native_params(self, ext):
+        """kernels' MoeParams for this router (shared expert unset), or None where it uses what moe_route
+        does not do (expert groups, a correction bias)."""
+        if ext is None or self.n_group > 1 or self.e_score_correction_bias is not None \
+                or self.scoring_func not in ("softmax", "sigmoid"):
+            return None
+        params = ext.MoeParams()
+        params.top_k, params.norm_topk = self.top_k, bool(self.norm_topk_prob)
+        params.scaling, params.sigmoid = float(self.routed_scaling_factor), self.scoring_func == "sigmoid"
+        return params
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights float32 [T, k], expert ids [T, k])."""
+        """x [T, hidden] -> (weights float32 [T, k], expert ids [T, k]). On CPU with the native kernels the
+        choice is kernels' moe_route (what the native decode stack computes, so both choose alike)."""
+        if self._native is None:
+            ext = kernels.load()
+            params = self.native_params(ext)
+            self._native = (ext.moe_route, params) if params is not None else False
+        if self._native and x.is_cpu and self.weight.is_cpu:
+            route, params = self._native
+            return route(x.float().contiguous(), self.weight.float().contiguous(), params)
         logits = rowwise_linear(x.float(), self.weight.float())
         if self.scoring_func == "sigmoid":
             scores = logits.sigmoid()

@@ -24,14 +24,10 @@ def vars_of(params) -> tuple:
 
 def moe_params(ext, moe: SparseMoE):
     """The native stack's routing parameters for this expert layer, or None where its router uses what
-    decoder.cpp does not do (expert groups, a correction bias)."""
-    router = moe.gate
-    if router.n_group > 1 or router.e_score_correction_bias is not None or router.scoring_func not in ("softmax", "sigmoid"):
-        return None
-    params = ext.MoeParams()
-    params.top_k, params.norm_topk = router.top_k, bool(router.norm_topk_prob)
-    params.scaling, params.sigmoid = float(router.routed_scaling_factor), router.scoring_func == "sigmoid"
-    params.shared = 1 if moe.shared_expert is not None else 2 if moe.shared_experts is not None else 0
+    kernels/moe.cpp does not do (expert groups, a correction bias)."""
+    params = moe.gate.native_params(ext)
+    if params is not None:
+        params.shared = 1 if moe.shared_expert is not None else 2 if moe.shared_experts is not None else 0
     return params
 
 
