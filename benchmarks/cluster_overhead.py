@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,16 @@ def main() -> None:
         ray = run_single(os.path.join(tmp, "ray"), f"--replicas 1 --replica-cpus {args.threads}", args)
         print("\nA = plain sudu serve, B = sudu serve --replicas 1 (Ray Serve)\n", flush=True)
         subprocess.run([sys.executable, "-m", "sudu.cli", "bench", "compare", plain, ray], check=True)
+        print("\nwhere the time went (means, ms): outside the engine = request time - the engine's queue, prefill "
+              "and decode (the server's own timing)")
+        for name, path in (("plain", plain), ("ray", ray)):
+            with open(path) as f:
+                groups = json.load(f)["groups"]
+            for g in groups:
+                a = g.get("attribution") or {}
+                cells = ", ".join(f"{k.removesuffix('_s')} {1e3 * a[k]['mean']:.1f}" for k in
+                                  ("network_client_s", "queue_s", "prefill_s", "decode_s") if k in a)
+                print(f"  {name} {g['name']}: {cells}")
 
 
 if __name__ == "__main__":

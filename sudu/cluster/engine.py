@@ -19,6 +19,7 @@ from typing import AsyncIterator
 import ray
 from ray import serve
 from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
 
 from sudu.cluster.registry import router_for
 from sudu.engine.llm_engine import LLMEngine
@@ -56,12 +57,13 @@ class _Limits:
 
 
 class ClusterEngine:
-    def __init__(self, app_name: str, handle, info: dict, block_size: int, num_replicas: int,
-                 max_in_flight: int, prefill=None, num_prefill: int = 0):
-        """prefill: the prefill replicas' handle under --pd (handle's replicas then decode only)."""
+    def __init__(self, app_name: str, deployment: str, info: dict, block_size: int, num_replicas: int,
+                 max_in_flight: int, prefill_app: str | None = None, num_prefill: int = 0):
+        """prefill_app: the prefill replicas' application under --pd (app_name's replicas then decode only)."""
         self.app_name = app_name
-        self.handle = handle
-        self.prefill = prefill
+        self.deployment = deployment
+        self.prefill_app = prefill_app
+        self.handle = self.prefill = None  # made in start(), in the server's event loop
         self.num_prefill = num_prefill
         self.model_name = info["model_name"]
         self.max_model_len = info["max_model_len"]
@@ -75,7 +77,18 @@ class ClusterEngine:
         self._accepting = True
 
     async def start(self) -> None:
-        pass
+        """The request path's handles, made and initialised here, in the server's event loop: under Serve's
+        throughput mode their routers run on this loop. Under --pd the decode call takes the prefill
+        call's result as an object reference (Ray's object store carries the blocks), so both handles pass
+        arguments by reference; otherwise calls go by value (gRPC where Serve's mode enables it)."""
+        by_reference = {"_by_reference": True} if self.prefill_app else {}
+        self.handle = DeploymentHandle(self.deployment, self.app_name)  # not Serve's cached one: fresh options
+        self.handle._init()
+        self.handle = self.handle.options(stream=True, **by_reference)
+        if self.prefill_app:
+            prefill = DeploymentHandle(self.deployment, self.prefill_app)
+            prefill._init()
+            self.prefill = prefill.options(**by_reference)
 
     async def wait_failed(self) -> str:
         """Replicas that die are restarted by Serve and fail only their own requests: the ingress as a
@@ -104,8 +117,8 @@ class ClusterEngine:
         handoff = None
         if self.prefill is not None:  # --pd: Serve hands the prefill call's result (an object ref) to the decoder
             handoff = self.prefill.prefill.remote(request_id=request_id, request=request, priority=priority)
-        call = self.handle.options(stream=True).generate.remote(request_id=request_id, request=request,
-                                                                priority=priority, handoff=handoff)
+        call = self.handle.generate.remote(request_id=request_id, request=request, priority=priority,
+                                           handoff=handoff)
         self._calls[request_id] = call
         finished = False
         route = None
