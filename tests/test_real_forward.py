@@ -2,8 +2,12 @@
 the very same weights (sudu's dequantized GGUF tensors, whose equality with transformers' own GGUF
 loading is tested in test_real_models.py): next-token argmax on >= 20 prompts in one batch, and a
 greedy 32-token completion of a code prompt, token for token. Slow: marked; the models are pulled from
-the offline catalog on first use."""
+the offline catalog on first use. The 1.5B is the 0.5B's architecture at another size and costs 140 s
+(two float32 copies of its weights), so the suite keeps to its time budget without it: SUDU_TEST_1_5B=1
+adds it."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -58,7 +62,10 @@ def hf_reference(ckpt):
     return model.float().eval()
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"])
+MODELS = ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"] + (["qwen2.5-coder-1.5b-instruct"] if os.environ.get("SUDU_TEST_1_5B") else [])
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_engine_matches_transformers_on_real_model(name):
     pull(name, progress=False)  # from the offline catalog on first use
     llm = LLM(name, progress=False, kv_cache_memory=256 << 20, max_model_len=2048, quantization="none")
