@@ -124,10 +124,14 @@ def step_bytes(llm, expert_calls: int) -> float:
     return total + expert_calls * per_expert + c.hidden_size * 4
 
 
+def batch_prompts(batch: int) -> list[str]:
+    """`batch` distinct prompts (the fixed ones, numbered)."""
+    return [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(batch)]
+
+
 def decode_rate(llm, batch: int, tokens: int) -> float:
     """Decode tok/s of `batch` greedy streams of `tokens` tokens (first token to last)."""
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(batch)]
-    results = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    results = llm.generate(batch_prompts(batch), SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     decode_s = max(r.metrics.finished_time for r in results) - min(r.metrics.first_token_time for r in results)
     return sum(len(r.token_ids) - 1 for r in results) / decode_s
 
@@ -141,8 +145,7 @@ def count_expert_calls(llm, batch: int, tokens: int) -> float:
     experts = [m for name, m in model.named_modules() if name.endswith(tuple(f"experts.{e}" for e in range(NUM_EXPERTS)))]
     hooks = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in experts]
     try:
-        prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(batch)]
-        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        greedy(llm, batch_prompts(batch), tokens)
     finally:
         for h in hooks:
             h.remove()

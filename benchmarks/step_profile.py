@@ -8,7 +8,6 @@ two rounds.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
@@ -17,44 +16,61 @@ import torch
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
 
-ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-ap.add_argument("--quantization", default="auto")
-ap.add_argument("--batch", type=int, default=1)
-ap.add_argument("--threads", type=int, default=2)
-args = ap.parse_args()
-torch.set_num_threads(args.threads)
-model_name, quant, batch = args.model, args.quantization, args.batch
-llm = LLM(model_name, progress=False, quantization=quant, num_threads=args.threads)
-eng = llm.engine; runner = eng.runner; model = runner.model
-T = {}
-def wrap(obj, name, key):
-    f = getattr(obj, name)
-    @functools.wraps(f)
-    def g(*a, **k):
-        t0 = time.perf_counter(); r = f(*a, **k); T.setdefault(key, []).append(time.perf_counter() - t0); return r
-    setattr(obj, name, g)
-wrap(eng, "_schedule", "schedule"); wrap(eng, "_run", "run"); wrap(eng, "_postprocess", "postprocess"); wrap(eng, "step", "step")
-wrap(model, "forward", "forward"); wrap(model, "compute_logits", "head")
-if model._native_decode:
-    fn, w, e, m = model._native_decode
-    def tf(*a):
-        t0 = time.perf_counter(); r = fn(*a); T.setdefault("decoder stack (native)", []).append(time.perf_counter() - t0); return r
-    model._native_decode = (tf, w, e, m)
-p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-llm.generate(["warm up"] * batch, p)
-prompts = [f"Write a Python function number {i} that checks whether a string is a palindrome." for i in range(batch)]
-for rnd in range(2):
-    T.clear()
-    p = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, p)
-    # decode steps only: drop the first (prefill) calls
-    med = {k: statistics.median(v[2:]) * 1e3 for k, v in T.items()}
-    step = med["step"]
-    out = {"step": step}
-    for k in ("schedule", "forward", "decoder stack (native)", "head", "postprocess"):
-        if k in med: out[k] = med[k]
+NATIVE = "decoder stack (native)"
+
+
+def timed(fn, key: str, times: dict[str, list[float]]):
+    """fn, its call durations appended to times[key]."""
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times.setdefault(key, []).append(time.perf_counter() - t0)
+    return call
+
+
+def instrument(llm: LLM, times: dict[str, list[float]]) -> None:
+    eng, model = llm.engine, llm.engine.runner.model
+    for obj, name, key in ((eng, "_schedule", "schedule"), (eng, "_run", "run"), (eng, "_postprocess", "postprocess"),
+                           (eng, "step", "step"), (model, "forward", "forward"), (model, "compute_logits", "head")):
+        setattr(obj, name, timed(getattr(obj, name), key, times))
+    if model._native_decode:
+        fn, *rest = model._native_decode
+        model._native_decode = (timed(fn, NATIVE, times), *rest)
+
+
+def phases(times: dict[str, list[float]]) -> dict[str, float]:
+    """Medians in ms over the decode steps (the first two calls of each phase, the prompt's, left out),
+    and the host work between the timed calls."""
+    med = {k: statistics.median(v[2:]) * 1e3 for k, v in times.items()}
+    out = {k: med[k] for k in ("step", "schedule", "forward", NATIVE, "head", "postprocess") if k in med}
     out["runner python (run - forward - head)"] = med["run"] - med["forward"] - med["head"]
-    out["forward python (forward - native)"] = med["forward"] - med.get("decoder stack (native)", 0)
-    out["engine python (step - run - postprocess - schedule)"] = step - med["run"] - med["postprocess"] - med["schedule"]
-    print(f"{model_name} {quant} batch {batch} round {rnd+1}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in out.items()), flush=True)
+    out["forward python (forward - native)"] = med["forward"] - med.get(NATIVE, 0.0)
+    out["engine python (step - run - postprocess - schedule)"] = med["step"] - med["run"] - med["postprocess"] - med["schedule"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model, progress=False, quantization=args.quantization, num_threads=args.threads)
+    times: dict[str, list[float]] = {}
+    instrument(llm, times)
+    llm.generate(["warm up"] * args.batch, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    prompts = [f"Write a Python function number {i} that checks whether a string is a palindrome."
+               for i in range(args.batch)]
+    for rnd in range(2):
+        times.clear()
+        llm.generate(prompts, SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True))
+        print(f"{args.model} {args.quantization} batch {args.batch} round {rnd + 1}: "
+              + ", ".join(f"{k} {v:.2f} ms" for k, v in phases(times).items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -82,13 +82,16 @@ class ClusterEngine:
         call's result as an object reference (Ray's object store carries the blocks), so both handles pass
         arguments by reference; otherwise calls go by value (gRPC where Serve's mode enables it)."""
         by_reference = {"_by_reference": True} if self.prefill_app else {}
-        self.handle = DeploymentHandle(self.deployment, self.app_name)  # not Serve's cached one: fresh options
-        self.handle._init()
-        self.handle = self.handle.options(stream=True, **by_reference)
+        self.handle = self._request_handle(self.app_name, stream=True, **by_reference)
         if self.prefill_app:
-            prefill = DeploymentHandle(self.deployment, self.prefill_app)
-            prefill._init()
-            self.prefill = prefill.options(**by_reference)
+            self.prefill = self._request_handle(self.prefill_app, **by_reference)
+
+    def _request_handle(self, app_name: str, **options):
+        """A handle of its own (not Serve's cached one, which the loading thread initialised), initialised
+        in the running loop, with these call options."""
+        handle = DeploymentHandle(self.deployment, app_name)
+        handle._init()
+        return handle.options(**options)
 
     async def wait_failed(self) -> str:
         """Replicas that die are restarted by Serve and fail only their own requests: the ingress as a

@@ -87,7 +87,8 @@ torch::Tensor rowwise_linear(const torch::Tensor& x, const torch::Tensor& w) {
   return torch::bmm(x.unsqueeze(1), wt.expand({x.size(0), wt.size(0), wt.size(1)})).select(1, 0);
 }
 
-// The index of the shared expert's first tensor, and the tensors of the shared gate (p.shared == 1).
+// Where the shared expert's tensors start in w (its gate weight first when p.shared == 1): after the
+// router and the E experts' 4 tensors each.
 size_t shared_at(size_t at, int64_t E) { return at + 1 + 4 * static_cast<size_t>(E); }
 
 // out plus the shared expert's output: p.shared == 1 its gate weight [1, hidden] and 4 tensors, 2: 4 tensors.
