@@ -1,7 +1,9 @@
 """sudu serve vs llama.cpp's own llama-server, both measured by `sudu bench` over HTTP, one server at a
 time on the same GGUF and thread count, every prompt cold (sudu bench's salt), outputs of fixed length
 (--ignore-eos): single (one stream, varied chat and coding turns), throughput at 1, 8 and 32 streams,
-and the cache suite (cold vs warm vs shared-prefix TTFT). Prints a table of sudu / llama-server ratios
+and the cache suite (cold vs warm vs shared-prefix TTFT). Both servers get the same context capacity (32
+slots of 1,024 tokens: llama-server's -c, sudu's --kv-cache-memory for as many tokens in its KV dtype), and
+each one's resident set is read from /proc after loading and after all the runs. Prints a table of sudu / llama-server ratios
 with their bootstrap 95% CIs (from `sudu bench compare`), and, as a check on the measuring client,
 sudu bench's decode speed next to an independent minimal client's (benchmarks/independent_client.py)
 on each server.
@@ -70,6 +72,28 @@ def measure(side: str, url: str, model: str, args) -> dict:
     return reports
 
 
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(resident set, its peak so far) of a process, in MiB, from /proc."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def kv_memory_for(model: str, tokens: int) -> int:
+    """Bytes of sudu's default KV pool (engine defaults: its dtype and KV dtype) holding `tokens` tokens."""
+    from sudu.config import EngineConfig
+    from sudu.engine.model_runner import kv_bytes_per_token
+    from sudu.engine.placement import resolve_dtype
+    from sudu.weights.loader import load_checkpoint
+
+    cfg = EngineConfig(model=model)
+    return tokens * kv_bytes_per_token(load_checkpoint(model, progress=False).config, resolve_dtype(cfg),
+                                       cfg.kv_cache_dtype)
+
+
 def fmt_ratio(row: dict | None) -> str:
     if row is None or row["ratio"] is None:
         return "-"
@@ -121,10 +145,11 @@ def main() -> None:
 
     gguf = str(resolve_model_path(args.model))
     os.makedirs(args.out, exist_ok=True)
-    results = {}
+    results, memory = {}, {}
     sides = {
         "sudu": lambda port: [sys.executable, "-m", "sudu.cli", "serve", "--model", args.model, "--port", str(port),
-                              "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS)],
+                              "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS),
+                              "--kv-cache-memory", str(kv_memory_for(args.model, SLOTS * 1024))],
         "llama-server": lambda port: [binary, "-m", gguf, "--alias", args.model, "--port", str(port), "--host",
                                       "127.0.0.1", "-t", str(args.threads), "-np", str(SLOTS), "-c",
                                       # llama-server splits -c over its slots: 1,024 tokens each holds the cache
@@ -136,8 +161,10 @@ def main() -> None:
         port = free_port()
         proc = start(side, command(port), port, args.out)
         try:
+            memory[side] = [rss_mb(proc.pid)[0]]
             t0 = time.perf_counter()
             results[side] = measure(side, f"http://127.0.0.1:{port}/v1", args.model, args)
+            memory[side] += rss_mb(proc.pid)
             print(f"{side}: measured in {time.perf_counter() - t0:.0f} s", flush=True)
         finally:
             stop_server(proc)
@@ -146,6 +173,11 @@ def main() -> None:
     print(f"\n{args.model}, {args.threads} threads, {SLOTS} slots each, cold prompts, --ignore-eos, "
           f"max_tokens {args.max_tokens}\n")
     print(table(results["sudu"], results["llama-server"]))
+    print("\n| resident set, MiB | after loading | after the runs (32 streams incl.) | peak |\n|---|---:|---:|---:|")
+    for side in sides:
+        print(f"| {side} | {memory[side][0]:.0f} | {memory[side][1]:.0f} | {memory[side][2]:.0f} |")
+    s, p = memory["sudu"], memory["llama-server"]
+    print(f"| sudu / llama-server | {s[0] / p[0]:.2f}x | {s[1] / p[1]:.2f}x | {s[2] / p[2]:.2f}x |")
     print("\nmeasuring client vs an independent minimal client (per-request decode speed, median):")
     for side in sides:
         print(f"  {side}: {client_check(results[side])}")

@@ -206,8 +206,8 @@ def main() -> None:
                   ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()), flush=True)
 
     resolved = sides["sudu"].llm.engine.quantization  # what --quantization auto chose
-    fmt = "auto" if args.quantization == "auto" else {"none": "fp32"}.get(resolved, resolved)
-    per_token = bytes_per_token(ckpt.config, fmt)
+    fmt = {"none": "fp32"}.get(resolved, resolved)
+    per_token = bytes_per_token(ckpt.config, fmt, ckpt)
     print(f"\n{args.model}, sudu --quantization {args.quantization} ({resolved}) --kv-cache-dtype "
           f"{args.kv_cache_dtype}, {args.threads} threads, median of {args.repeat}; llama.cpp batches via llama_batch "
           f"with one seq id per sequence")

@@ -21,8 +21,9 @@ class EngineConfig:
     # compute dtype of activations and unquantized weights; auto: float32 on the CPU (the native kernels'
     # activations), bfloat16 on CUDA
     dtype: str = "auto"
-    # weight format of the linear layers: auto | none | int8 | int4 (layers/linear.py). auto: int4 for
-    # checkpoints that come quantized (the catalog's GGUFs), none (float) for float checkpoints
+    # weight format of the linear layers: auto | native | none | int8 | int4 (layers/linear.py). native: a
+    # GGUF file's own blocks (layers/gguf_native.py); auto: native for checkpoints that come quantized (the
+    # catalog's GGUFs), none (float) for float checkpoints
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 (static per-channel scales, calibrated at load; layers/kv_cache.py)
     block_size: int = 16  # tokens per KV block
@@ -71,8 +72,8 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be between 1 and 7 (0 = the drafter's default)")
         if self.speculative_draft_vocab < 0:
             raise ValueError("speculative_draft_vocab must be >= 0 (0 = the whole vocabulary)")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in ("auto", "native", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be auto, native, none, int8 or int4, got {self.quantization!r}")
         if self.sliding_window_kv not in ("ring", "full"):
             raise ValueError(f"sliding_window_kv must be ring or full, got {self.sliding_window_kv!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):

@@ -26,8 +26,9 @@ FORMATS = {
     "bf16": (dict(device="cpu", dtype="bfloat16", quantization="none"), 2.0, 2.0),
     "int8": (dict(device="cpu", dtype="float32", quantization="int8"), 1.0 + 2.0 / GROUP_SIZE, 4.0),  # + float16 scale per group
     "int4": (dict(device="cpu", dtype="float32", quantization="int4"), 0.5 + 4.0 / GROUP_SIZE, 4.0),  # + float16 scale and min
-    # the default for quantized checkpoints: int4, output head int8 (layers/linear.py AUTO_HEAD_FORMAT)
-    "auto": (dict(device="cpu", dtype="float32", quantization="auto"), 0.5 + 4.0 / GROUP_SIZE, 4.0),
+    # a GGUF file's own blocks (the default for quantized checkpoints): each linear layer at its bytes in the
+    # file (layers/gguf_native.py; types without a native kernel at int8's)
+    "native": (dict(device="cpu", dtype="float32", quantization="native"), None, 4.0),
 }
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
 
@@ -66,13 +67,28 @@ def parameter_counts(model_config) -> tuple[int, int, int]:
     return linear, model_config.hidden_size, other
 
 
-def bytes_per_token(model_config, fmt: str) -> float:
+def native_linear_bytes(ckpt) -> float:
+    """Bytes of the linear layers (incl. lm_head) as `native` runs them: the file's own bytes per tensor."""
+    from sudu.layers.gguf_native import NATIVE_TYPES
+    from sudu.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(ckpt.config)
+    total = 0.0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            qt = ckpt.quantized(f"{name}.weight")
+            native = qt is not None and qt.ggml_type in NATIVE_TYPES and tuple(qt.shape) == tuple(m.weight.shape)
+            total += qt.blocks.nbytes if native else m.weight.numel() * FORMATS["int8"][1]
+    return total
+
+
+def bytes_per_token(model_config, fmt: str, ckpt=None) -> float:
+    """Bytes a decode step reads in format fmt (native: from ckpt's tensors)."""
     _, per_linear, per_other = FORMATS[fmt]
     linear, embed_row, other = parameter_counts(model_config)
-    total = linear * per_linear + (embed_row + other) * per_other
-    if fmt == "auto":  # the output head at int8 instead of int4
-        total += model_config.vocab_size * model_config.hidden_size * (FORMATS["int8"][1] - per_linear)
-    return total
+    linear_bytes = native_linear_bytes(ckpt) if per_linear is None else linear * per_linear
+    return linear_bytes + (embed_row + other) * per_other
 
 
 def measure_decode_tok_s(model: str, fmt: str, max_tokens: int = 64, threads: int = 2) -> float:
@@ -106,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     for col in ("format", "MB read / token", "bandwidth GB/s", "limit tok/s", "sudu tok/s", "fraction of limit"):
         table.add_column(col, justify="right")
     for fmt in formats:
-        nbytes = bytes_per_token(ckpt.config, fmt)
+        nbytes = bytes_per_token(ckpt.config, fmt, ckpt)
         achieved = measure_decode_tok_s(args.model, fmt, args.max_tokens, args.threads) if not args.no_measure else None
         bandwidth_gbs = measure_bandwidth_gbs(threads=args.threads)
         limit = bandwidth_gbs * 1e9 / nbytes
@@ -121,7 +137,7 @@ def register_cli(sub) -> None:
     p = sub.add_parser("roofline", help="memory-bandwidth limit of decode per weight format vs achieved speed",
                        description=__doc__)
     p.add_argument("model", metavar="MODEL", help="model name or path (see `sudu models list`)")
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of fp32,bf16,int8,int4,auto")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of fp32,bf16,int8,int4,native")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per measurement")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-measure", action="store_true", help="print the limits only, skip the engine runs")

@@ -48,15 +48,16 @@ def test_roofline_pairs_each_format_with_a_bandwidth_measurement(tiny_model_dirs
     from sudu.weights.loader import load_checkpoint
 
     model = str(tiny_model_dirs["llama"])
-    r = sudu("roofline", model, "--formats", "int8,auto", "--max-tokens", "4")
+    r = sudu("roofline", model, "--formats", "int8,native", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
-    cfg = load_checkpoint(model, progress=False).config
-    rows = [line for line in r.stdout.splitlines() if "int8" in line or "auto" in line]
+    ckpt = load_checkpoint(model, progress=False)
+    cfg = ckpt.config
+    rows = [line for line in r.stdout.splitlines() if "int8" in line or "native" in line]
     assert len(rows) == 2, r.stdout
-    for line, fmt in zip(rows, ("int8", "auto")):
+    for line, fmt in zip(rows, ("int8", "native")):
         cells = [c.strip() for c in line.replace("│", "|").split("|") if c.strip()]
         fmt_cell, mb, bw, limit, achieved, fraction = cells
-        assert fmt_cell == fmt and mb == f"{bytes_per_token(cfg, fmt) / 1e6:.0f}"
+        assert fmt_cell == fmt and mb == f"{bytes_per_token(cfg, fmt, ckpt) / 1e6:.0f}"
         assert float(bw) > 0 and float(achieved) > 0 and fraction.endswith("%")
         # the limit is this row's own bandwidth over the bytes per token
-        assert abs(float(limit) - float(bw) * 1e9 / bytes_per_token(cfg, fmt)) <= 0.05 * float(limit) + 0.1
+        assert abs(float(limit) - float(bw) * 1e9 / bytes_per_token(cfg, fmt, ckpt)) <= 0.05 * float(limit) + 0.1

@@ -222,7 +222,7 @@ def test_failed_compile_falls_back_with_one_warning(tmp_path, monkeypatch):
 
 
 def test_auto_format_quantizes_quantized_checkpoints_only(tiny_model_dirs):
-    """--quantization auto: int4 for a checkpoint whose linear weights come quantized (GGUF k-quants),
+    """--quantization auto: native (the file's own blocks) for a checkpoint whose linear weights come quantized (GGUF k-quants),
     float for a float checkpoint (safetensors)."""
     from types import SimpleNamespace
 
@@ -236,7 +236,7 @@ def test_auto_format_quantizes_quantized_checkpoints_only(tiny_model_dirs):
     kinds = {"model.layers.0.self_attn.q_proj.weight": "Q4_K", "model.norm.weight": "F32"}
     gguf = SimpleNamespace(format="gguf", tensor_names=lambda: names,
                            quantized=lambda n: SimpleNamespace(ggml_type=kinds[n]))
-    assert resolve_format("auto", gguf) == AUTO_FORMAT == "int4"
+    assert resolve_format("auto", gguf) == AUTO_FORMAT == "native"
     kinds["model.layers.0.self_attn.q_proj.weight"] = "F16"
     assert resolve_format("auto", gguf) == "none"
 

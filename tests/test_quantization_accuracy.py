@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from sudu.engine.auto_format import perplexity, text_logits
+from sudu.engine.text_eval import perplexity, text_logits
 from sudu.engine.llm import LLM
 from sudu.layers import linear
 from sudu.sampling import SamplingParams

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from sudu.config import EngineConfig, default_num_threads
-from sudu.engine.auto_format import forward_text
+from sudu.engine.text_eval import forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
 from sudu.errors import SuduError
@@ -79,24 +79,17 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     """The checkpoint's network ready to run on config's device: loaded in its dtype, its linear layers
     quantized to the resolved format (CPU only), projections that read the same input (q/k/v, gate/up)
     fused into one call each. Returns (network, weight format)."""
-    from sudu.engine.auto_format import quantize_auto
     from sudu.layers.linear import quantize_model, resolve_format
 
     check_supported(config)
     dtype = resolve_dtype(config)
     device = resolve_device(config.device)
 
-    def load():
-        return load_network(ckpt.config, ckpt.tensors(dtype), dtype)
-
-    model = load()
+    model = load_network(ckpt.config, ckpt.tensors(dtype), dtype)
     # off the CPU the weights run in dtype (placement.py): a quantized checkpoint's auto is "none" there
     fmt = resolve_format(config.quantization, ckpt) if device.type == "cpu" else "none"
     if fmt != "none":
-        if config.quantization == "auto":  # int4 with an int8 head where it holds the model's accuracy, else int8
-            model, fmt = quantize_auto(ckpt, model, load)
-        else:
-            quantize_model(model, ckpt, fmt)
+        quantize_model(model, ckpt, fmt)
     for module in model.modules():
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()

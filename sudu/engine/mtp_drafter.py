@@ -49,6 +49,8 @@ class MTPDrafter:
         net = load_mtp_network(ckpt, engine.runner.model, dtype)
         if engine.quantization in FORMATS:  # the layer's linears in the target's format (the head stays shared)
             quantize_model(net.layer, None, engine.quantization)
+        elif engine.quantization == "native":  # the drafter's own layer (from float tensors here): int8
+            quantize_model(net.layer, None, "int8")
         for module in net.modules():
             if hasattr(module, "fuse_projections"):
                 module.fuse_projections()

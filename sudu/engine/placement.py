@@ -9,7 +9,7 @@ step, and the batch's metadata is built on the host and copied over once per ste
 argmax on the device (only the ids come back); a sampled row, and a batch with penalties or logprobs, comes
 to the host, where the sampler runs exactly as on the CPU (so a seeded request draws with the same CPU
 generators on either device). Not on CUDA yet, refused at load with a clear error:
-- `--quantization int8 | int4`: the quantized layers are the CPU kernels' tile layout;
+- `--quantization native | int8 | int4`: the quantized layers are the CPU kernels' tile layout;
 - `--speculative`: greedy speculation is lossless on the CPU because the kernels compute a row the same way
   at any batch size (verifying k tokens = k plain steps, bit for bit); cuBLAS picks kernels by shape, so
   a verified row can differ in the last bits from the plain step's and flip a near-tie.
@@ -50,7 +50,7 @@ def check_supported(config) -> None:
     device = resolve_device(config.device)
     if device.type == "cpu":
         return
-    if config.quantization in ("int8", "int4"):
+    if config.quantization in ("native", "int8", "int4"):
         raise SuduError(f"--quantization {config.quantization} runs on sudu's CPU kernels only; on {device} use "
                         "--quantization none (or auto), which runs the weights in --dtype")
     if config.speculative != "none":

@@ -1,12 +1,13 @@
-// The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers),
+// The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers, with
+// gguf_tiles.cpp for GGUF's own block formats),
 // attention.cpp (attention of few new tokens over the paged KV pool), ops.cpp (a decoder layer's
 // elementwise steps), decoder.cpp (a whole decode step's decoder stack) and moe.cpp (routed experts).
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias, W as packed tiles");
-  m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [16 * tiles, K]", py::arg("q"),
-        py::arg("bf16") = false);
+  m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [16 * tiles, K], tiles [t0, t1)",
+        py::arg("q"), py::arg("bf16") = false, py::arg("t0") = 0, py::arg("t1") = -1);
   m.def("isa", &isa, "the dot-product instruction set qlinear uses");
   m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out");

@@ -26,17 +26,22 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "kernels.h"
+#include "quant_tiles.h"
 
 namespace {
 
-// x[0:K] -> int8 codes xq and per-32 scales sx (x ~= sx * xq); isum[b] = sum(xq in block b), xsum[b] = sx[b] * isum[b].
+using namespace qtiles;
+
+// x[0:K] -> int8 codes xq and per-32 scales sx (x ~= sx * xq); isum[b] = sum(xq in block b), xsum[b] = sx[b] * isum[b],
+// isum16[h] = sum(xq in columns 16h..16h+15).
 // Round to nearest even (the default MXCSR mode), x * (1 / d) as PyTorch would compute it in float32.
-inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, float* xsum, int32_t* isum) {
+inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, float* xsum, int32_t* isum, int32_t* isum16) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < K / 32; ++b) {
@@ -66,23 +71,13 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, fl
     sx[b] = d;
     isum[b] = _mm_cvtsi128_si32(t);
     xsum[b] = d * static_cast<float>(isum[b]);
+    for (int h = 0; h < 2; ++h) {
+      int32_t sum = 0;
+      for (int k = 0; k < 16; ++k) sum += xq[32 * b + 16 * h + k];
+      isum16[2 * b + h] = sum;
+    }
   }
 }
-
-// Weights stream from memory once per call; every kernel prefetches this far ahead of its loads (one
-// prefetch per 64-byte line, measured best among 2-32 KiB: the hardware prefetcher alone leaves the
-// kernel 20-40% short of the bandwidth). Prefetching past the end is harmless (no fault).
-constexpr int64_t PREFETCH_BYTES = 4096;
-
-// The first PREFETCH_BYTES of a call's weights, requested at once: the in-loop prefetch only reaches
-// ahead of the loads, so without this each call (96 a step on the 0.5B, each thread a range of rows)
-// would start with lines loaded on demand.
-inline void prefetch_start(const uint8_t* q) {
-  for (int64_t o = 0; o < PREFETCH_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(q + o), _MM_HINT_T0);
-}
-
-// Compiled for VNNI by attribute only: the caller dispatches on the running CPU.
-#define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 // ---- Tiles of 16 weight rows, one row per 32-bit lane ----
 // Both formats are stored as the kernels read them (layers/linear.py pack builds the tiles from the row
@@ -108,7 +103,7 @@ inline void prefetch_start(const uint8_t* q) {
 //   tile's codes streamed well below int4 tiles: docs/cpu_speed.md). vpdpbusd then sums
 //   (q + 128) * x; starting the sum at -128 * sum(x) leaves exactly sum(q * x), the integer the AVX2
 //   kernel computes.
-constexpr int64_t TILE_ROWS = 16, Q4_BLOCK_BYTES = 320, Q8_CODE_BYTES = 512, Q8_PAIR_BYTES = 1088;
+constexpr int64_t Q4_BLOCK_BYTES = 320, Q8_CODE_BYTES = 512, Q8_PAIR_BYTES = 1088;
 
 // A tile's bytes; where an int8 tile's block b has its codes and its 16 scales.
 inline int64_t tile_bytes_of(bool int4, int64_t nb) { return int4 ? nb * Q4_BLOCK_BYTES : (nb + 1) / 2 * Q8_PAIR_BYTES; }
@@ -116,16 +111,6 @@ inline const uint8_t* q8_codes(const uint8_t* tp, int64_t b) { return tp + b / 2
 inline const uint8_t* q8_scales(const uint8_t* tp, int64_t b) {
   return tp + b / 2 * Q8_PAIR_BYTES + 2 * Q8_CODE_BYTES + b % 2 * 32;
 }
-
-// One call's quantized activations, from the first row a kernel call takes (row stride K codes, nb blocks).
-struct Acts {
-  const int8_t* xq;
-  const float* sx;      // per block
-  const float* xsum;    // per block: sx * sum(codes)
-  const int32_t* isum;  // per block: sum(codes)
-  int64_t K, nb;
-  inline int x4(int i, int64_t col) const { return *reinterpret_cast<const int*>(xq + i * K + col); }
-};
 
 // R activation rows against `count` consecutive tiles from p; tile t's outputs go to y[i * ldy + 16 * t + l]
 // (padding rows included: the caller's buffer has room). One tile at a time keeps each thread reading one
@@ -273,33 +258,100 @@ bool cpu_has_vnni() {
 }
 bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
 
-// One product of a call: its activation rows quantized once, its tiles, bias (padded to whole tiles) and output.
+// A weight tensor as the kernels take it: either packed tiles of one format (uint8 [tiles, K / 32, 320] int4,
+// [tiles, ceil(K / 64), 1088] int8), or a segmented tensor (uint8 [bytes], layers/gguf_native.py): a header of
+// SEGMENT_HEADER int64 (magic, K, number of segments, then per segment its format, tiles and byte offset)
+// followed by the segments' tiles, each of its own format (a fused q/k/v whose parts the file stores in
+// different formats). Segments follow each other in output rows, each a whole number of tiles.
+constexpr int64_t SEGMENTED_MAGIC = 0x3130515544555353LL, SEGMENT_HEADER = 16, MAX_SEGMENTS = 4;
+
+struct Range {
+  int64_t fmt, ntiles, tile_bytes;
+  const uint8_t* p;
+};
+struct Weights {
+  int64_t K = 0, ntiles = 0;
+  int n = 0;
+  Range r[MAX_SEGMENTS];
+};
+
+inline int64_t tile_bytes_for(int64_t fmt, int64_t K) {
+  if (fmt == INT4 || fmt == INT8) return tile_bytes_of(fmt == INT4, K / 32);
+  return gguf_tile_bytes(fmt, K);
+}
+
+// q's ranges, checked against K (K < 0: K as q defines it).
+Weights weights_of(const torch::Tensor& q, int64_t K) {
+  TORCH_CHECK(q.scalar_type() == torch::kByte && q.is_contiguous(), "weights must be contiguous uint8 tiles");
+  Weights w;
+  const uint8_t* base = q.data_ptr<uint8_t>();
+  if (q.dim() == 3) {
+    TORCH_CHECK(q.size(2) == Q4_BLOCK_BYTES || q.size(2) == Q8_PAIR_BYTES,
+                "weights must be packed tiles uint8 [tiles, K / 32, 320] (int4) or [tiles, ceil(K / 64), 1088] (int8)");
+    const bool int4 = q.size(2) == Q4_BLOCK_BYTES;
+    TORCH_CHECK(K < 0 || (K % 32 == 0 && q.size(1) == (int4 ? K / 32 : (K / 32 + 1) / 2)), "weight shape does not match x");
+    w.K = K >= 0 ? K : q.size(1) * (int4 ? 32 : 64);
+    w.n = 1;
+    w.r[0] = Range{int4 ? INT4 : INT8, q.size(0), q.size(1) * q.size(2), base};
+    w.ntiles = q.size(0);
+    return w;
+  }
+  TORCH_CHECK(q.dim() == 1 && q.numel() >= 8 * SEGMENT_HEADER, "weights must be packed tiles or a segmented tensor");
+  int64_t h[SEGMENT_HEADER];
+  std::memcpy(h, base, sizeof(h));
+  TORCH_CHECK(h[0] == SEGMENTED_MAGIC && h[2] >= 1 && h[2] <= MAX_SEGMENTS && h[1] > 0 && h[1] % 32 == 0,
+              "not a segmented weight tensor");
+  TORCH_CHECK(K < 0 || K == h[1], "weight shape does not match x");
+  w.K = h[1];
+  w.n = static_cast<int>(h[2]);
+  for (int i = 0; i < w.n; ++i) {
+    const int64_t fmt = h[3 + 3 * i], nt = h[4 + 3 * i], off = h[5 + 3 * i];
+    TORCH_CHECK(fmt >= INT8 && fmt <= Q6_K && nt > 0, "segmented weights: bad segment");
+    const int64_t tb = tile_bytes_for(fmt, w.K);
+    TORCH_CHECK(tb > 0 && (is_gguf_format(fmt) ? w.K % (fmt == Q5_0 ? 32 : 256) == 0 : true) && off >= 8 * SEGMENT_HEADER &&
+                off + nt * tb <= q.numel(), "segmented weights: a segment does not fit its tensor");
+    w.r[i] = Range{fmt, nt, tb, base + off};
+    w.ntiles += nt;
+  }
+  return w;
+}
+
+// One tile range of a call: its activation rows (quantized once per call: the first range's buffers, which
+// the other ranges of a segmented tensor share), its tiles, bias (padded to whole tiles) and outputs.
 struct Job {
-  bool int4;
-  int64_t K, nb, ntiles, first;  // first: its tiles' offset in the call's tile range
+  int64_t fmt, K, nb, ntiles, tile_bytes, ldy, first;  // first: its tiles' offset in the call's tile range
   const uint8_t* p;
   const float* bias;
-  float* y;  // [M, 16 * ntiles]
-  std::vector<int8_t> xq;
-  std::vector<float> sx, xsum, padded;
-  std::vector<int32_t> isum;
+  float* y;  // [M, ldy], this range's first column
+  const int8_t* xq;
+  const float *sx, *xsum;
+  const int32_t *isum, *isum16;
+  std::vector<int8_t> xq_buf;
+  std::vector<float> sx_buf, xsum_buf, padded;
+  std::vector<int32_t> isum_buf, isum16_buf;
 };
 
 // Tiles [t0, t1) of one job against its M activation rows. Up to MR_VNNI (AVX2: MR) rows, the tiles go
 // through one kernel call; with more, each tile meets every row chunk while it sits in L1/L2.
-template <bool INT4>
 void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
-  const int64_t K = j.K, nb = j.nb, tile_bytes = tile_bytes_of(INT4, nb), ldy = j.ntiles * TILE_ROWS;
+  const int64_t K = j.K, nb = j.nb, ldy = j.ldy;
   const bool vnni = use_vnni;
   auto run = [&](int64_t t, int64_t count) {
     auto chunk = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
-      const uint8_t* tp = j.p + t * tile_bytes;
-      const Acts a{j.xq.data() + m * K, j.sx.data() + m * nb, j.xsum.data() + m * nb, j.isum.data() + m * nb, K, nb};
+      const uint8_t* tp = j.p + t * j.tile_bytes;
+      const Acts a{j.xq + m * K, j.sx + m * nb, j.xsum + m * nb, j.isum + m * nb, j.isum16 + m * 2 * nb, K, nb};
       const float* b = j.bias ? j.bias + TILE_ROWS * t : nullptr;
       float* out = j.y + m * ldy + TILE_ROWS * t;
-      if (!vnni) dot_tiles<INT4, R>(tp, count, a, b, out, ldy);
-      else dot_tiles_vnni<INT4, R, R <= 2 ? 4 : 2>(tp, count, a, b, out, ldy);
+      if (j.fmt == INT4) {
+        if (!vnni) dot_tiles<true, R>(tp, count, a, b, out, ldy);
+        else dot_tiles_vnni<true, R, R <= 2 ? 4 : 2>(tp, count, a, b, out, ldy);
+      } else if (j.fmt == INT8) {
+        if (!vnni) dot_tiles<false, R>(tp, count, a, b, out, ldy);
+        else dot_tiles_vnni<false, R, R <= 2 ? 4 : 2>(tp, count, a, b, out, ldy);
+      } else {
+        gguf_dot_tiles(j.fmt, vnni, R, tp, count, a, b, out, ldy);
+      }
     };
     if (vnni)
       row_chunks<MR_VNNI>(M, chunk);
@@ -315,17 +367,18 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
 
 // The jobs' tiles as one range split over threads: one fork and join for all of them, each thread
 // streaming consecutive tiles. A tile's outputs do not depend on which thread or call computes it.
-void run_jobs(std::vector<Job>& jobs, int64_t M) {
+void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
   int64_t total = 0;
-  for (auto& j : jobs) {
-    j.first = total;
-    total += j.ntiles;
+  for (size_t i = 0; i < n; ++i) {
+    jobs[i].first = total;
+    total += jobs[i].ntiles;
   }
   at::parallel_for(0, total, 1, [&](int64_t t0, int64_t t1) {
-    for (const auto& j : jobs) {
+    for (size_t i = 0; i < n; ++i) {
+      const Job& j = jobs[i];
       const int64_t a = std::max(t0, j.first), b = std::min(t1, j.first + j.ntiles);
       if (a >= b) continue;
-      (j.int4 ? run_tiles<true> : run_tiles<false>)(j, M, a - j.first, b - j.first);
+      run_tiles(j, M, a - j.first, b - j.first);
     }
   });
 }
@@ -417,62 +470,78 @@ inline void dequant_int8_tile(const uint8_t* tp, int64_t nb, float* out, int64_t
   }
 }
 
-// Tiles dequantized as float32 (out32) or bfloat16 (out16, through a float buffer): [16 * tiles, K].
-template <bool INT4>
-void dequant_impl(const uint8_t* p, int64_t ntiles, int64_t K, float* out32, uint16_t* out16) {
-  const int64_t nb = K / 32, tile_bytes = tile_bytes_of(INT4, nb);
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+// One tile of any format as float32 into out (row stride ldo).
+inline void dequant_tile(const Range& r, const uint8_t* tp, int64_t K, float* out, int64_t ldo) {
+  if (r.fmt == INT4) dequant_int4_tile(tp, K / 32, out, ldo);
+  else if (r.fmt == INT8) dequant_int8_tile(tp, K / 32, out, ldo);
+  else gguf_dequant_tile(r.fmt, tp, K, out, ldo);
+}
+
+// Tiles [t0, t1) of w (over its ranges) dequantized as float32 (out32) or bfloat16 (out16, through a float
+// buffer): [16 * (t1 - t0), K].
+void dequant_impl(const Weights& w, int64_t t0, int64_t t1, float* out32, uint16_t* out16) {
+  const int64_t K = w.K;
+  at::parallel_for(t0, t1, 1, [&](int64_t a, int64_t b) {
     std::vector<float> buf(out16 ? TILE_ROWS * K : 0);
-    for (int64_t t = t0; t < t1; ++t) {
-      float* dst = out16 ? buf.data() : out32 + t * TILE_ROWS * K;
-      if (INT4)
-        dequant_int4_tile(p + t * tile_bytes, nb, dst, K);
-      else
-        dequant_int8_tile(p + t * tile_bytes, nb, dst, K);
-      if (out16) to_bf16(dst, TILE_ROWS * K, out16 + t * TILE_ROWS * K);
+    int64_t first = 0;
+    for (int i = 0; i < w.n; ++i) {
+      const Range& r = w.r[i];
+      for (int64_t t = std::max(a, first); t < std::min(b, first + r.ntiles); ++t) {
+        const int64_t o = (t - t0) * TILE_ROWS * K;
+        float* dst = out16 ? buf.data() : out32 + o;
+        dequant_tile(r, r.p + (t - first) * r.tile_bytes, K, dst, K);
+        if (out16) to_bf16(dst, TILE_ROWS * K, out16 + o);
+      }
+      first += r.ntiles;
     }
   });
 }
 
-// Packed tiles: uint8 [tiles, K / 32, 320] (int4) or [tiles, ceil(K / 64), 1088] (int8, pairs of blocks).
-bool check_tiles(const torch::Tensor& q, int64_t K) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kByte && q.is_contiguous() &&
-              (q.size(2) == Q4_BLOCK_BYTES || q.size(2) == Q8_PAIR_BYTES),
-              "weights must be packed tiles uint8 [tiles, K / 32, 320] (int4) or [tiles, ceil(K / 64), 1088] (int8)");
-  const bool int4 = q.size(2) == Q4_BLOCK_BYTES;
-  TORCH_CHECK(K < 0 || (K % 32 == 0 && q.size(1) == (int4 ? K / 32 : (K / 32 + 1) / 2)), "weight shape does not match x");
-  return int4;
-}
-
-// Sets j up for a product of x's M rows with q (checked): quantizes the rows and pads the bias to whole
-// tiles. j's buffers are reused (a decode step makes a few hundred such products).
-void set_job(Job& j, const float* x, int64_t M, int64_t K, const torch::Tensor& q, const torch::Tensor* bias,
-             float* y) {
-  j.int4 = check_tiles(q, K);
-  j.K = K;
-  j.nb = K / 32;
-  j.ntiles = q.size(0);
-  j.p = q.data_ptr<uint8_t>();
-  j.y = y;
-  j.bias = nullptr;
-  const int64_t N = j.ntiles * TILE_ROWS;
+// Sets jobs[0..w.n) up for a product of x's M rows with w: the first job quantizes the rows (into its
+// reused buffers: a decode step makes a few hundred such products), the others share them; the bias is
+// padded to whole tiles.
+void set_jobs(Job* jobs, const Weights& w, const float* x, int64_t M, const torch::Tensor* bias, float* y) {
+  const int64_t K = w.K, nb = K / 32, N = w.ntiles * TILE_ROWS;
+  Job& j0 = jobs[0];
+  const float* bp = nullptr;
   if (bias && bias->defined() && bias->numel()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() <= N &&
                 bias->numel() > N - TILE_ROWS, "bad bias");
-    j.bias = bias->data_ptr<float>();
+    bp = bias->data_ptr<float>();
     if (bias->numel() < N) {  // the padding rows'
-      j.padded.assign(N, 0.f);
-      std::copy(j.bias, j.bias + bias->numel(), j.padded.begin());
-      j.bias = j.padded.data();
+      j0.padded.assign(N, 0.f);
+      std::copy(bp, bp + bias->numel(), j0.padded.begin());
+      bp = j0.padded.data();
     }
   }
-  j.xq.resize(M * K);
-  j.sx.resize(M * j.nb);
-  j.xsum.resize(M * j.nb);
-  j.isum.resize(M * j.nb);
+  j0.xq_buf.resize(M * K);
+  j0.sx_buf.resize(M * nb);
+  j0.xsum_buf.resize(M * nb);
+  j0.isum_buf.resize(M * nb);
+  j0.isum16_buf.resize(M * 2 * nb);
   for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x + m * K, K, j.xq.data() + m * K, j.sx.data() + m * j.nb, j.xsum.data() + m * j.nb,
-                    j.isum.data() + m * j.nb);
+    quantize_row_q8(x + m * K, K, j0.xq_buf.data() + m * K, j0.sx_buf.data() + m * nb, j0.xsum_buf.data() + m * nb,
+                    j0.isum_buf.data() + m * nb, j0.isum16_buf.data() + m * 2 * nb);
+  int64_t row = 0;
+  for (int i = 0; i < w.n; ++i) {
+    Job& j = jobs[i];
+    const Range& r = w.r[i];
+    j.fmt = r.fmt;
+    j.K = K;
+    j.nb = nb;
+    j.ntiles = r.ntiles;
+    j.tile_bytes = r.tile_bytes;
+    j.ldy = N;
+    j.p = r.p;
+    j.bias = bp ? bp + row : nullptr;
+    j.y = y + row;
+    j.xq = j0.xq_buf.data();
+    j.sx = j0.sx_buf.data();
+    j.xsum = j0.xsum_buf.data();
+    j.isum = j0.isum_buf.data();
+    j.isum16 = j0.isum16_buf.data();
+    row += r.ntiles * TILE_ROWS;
+  }
 }
 
 // A calling thread's reusable jobs for products of a few rows (larger ones allocate their own, so a
@@ -482,43 +551,55 @@ thread_local std::vector<Job> reused_jobs;
 
 }  // namespace
 
-// x: float32 [M, K]; q: packed tiles (check_tiles) -> y [M, 16 * tiles], the padding rows' outputs included.
-// bias: float32 [<= 16 * tiles, > 16 * (tiles - 1)] or empty.
+// x: float32 [M, K]; q: packed tiles or a segmented tensor (weights_of) -> y [M, 16 * tiles], the padding
+// rows' outputs included. bias: float32 [<= 16 * tiles, > 16 * (tiles - 1)] or empty.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0) * TILE_ROWS;
-  auto y = torch::empty({M, N}, x.options());
+  const int64_t M = x.size(0), K = x.size(1);
+  const Weights w = weights_of(q, K);
+  auto y = torch::empty({M, w.ntiles * TILE_ROWS}, x.options());
   const torch::Tensor* b = bias.has_value() ? &*bias : nullptr;
   std::vector<Job> own;
   std::vector<Job>& jobs = M * K <= REUSED_ELEMENTS ? reused_jobs : own;
-  jobs.resize(1);
-  set_job(jobs[0], x.data_ptr<float>(), M, K, q, b, y.data_ptr<float>());
-  run_jobs(jobs, M);
+  if (jobs.size() < static_cast<size_t>(w.n)) jobs.resize(w.n);
+  set_jobs(jobs.data(), w, x.data_ptr<float>(), M, b, y.data_ptr<float>());
+  run_jobs(jobs, w.n, M);
   return y;
 }
 
 // Several one-row products in one parallel region (kernels.h QProduct): what qlinear computes for each.
 void qlinear_products(std::vector<QProduct>& products) {
   std::vector<Job>& jobs = reused_jobs;
-  jobs.resize(products.size());
-  for (size_t i = 0; i < products.size(); ++i) {
-    const QProduct& p = products[i];
+  std::vector<Weights> ws;
+  ws.reserve(products.size());
+  size_t n = 0;
+  for (const QProduct& p : products) {
     TORCH_CHECK(p.K <= REUSED_ELEMENTS, "qlinear_products: rows longer than its buffers");
-    set_job(jobs[i], p.x, 1, p.K, *p.q, p.bias, p.y);
+    ws.push_back(weights_of(*p.q, p.K));
+    n += ws.back().n;
   }
-  run_jobs(jobs, 1);
+  if (jobs.size() < n) jobs.resize(n);
+  size_t at = 0;
+  for (size_t i = 0; i < products.size(); ++i) {
+    set_jobs(jobs.data() + at, ws[i], products[i].x, 1, products[i].bias, products[i].y);
+    at += ws[i].n;
+  }
+  run_jobs(jobs, n, 1);
 }
 
-// The weights as float32, or bfloat16 with bf16 = true (for prefill: dequantize, then one GEMM):
-// [16 * tiles, K], padding rows included (int8 with an odd number of blocks: K + 32, a zero block last).
-torch::Tensor dequantize(torch::Tensor q, bool bf16) {
-  const bool int4 = check_tiles(q, -1);
-  const int64_t N = q.size(0) * TILE_ROWS, K = q.size(1) * (int4 ? 32 : 64);
+// The weights' tiles [t0, t1) (t1 < 0: to the end) as float32, or bfloat16 with bf16 = true (for prefill:
+// dequantize, then one GEMM): [16 * (t1 - t0), K], padding rows included (3-D int8 tiles with an odd
+// number of blocks: K + 32, a zero block last).
+torch::Tensor dequantize(torch::Tensor q, bool bf16, int64_t t0, int64_t t1) {
+  const Weights w = weights_of(q, -1);
+  if (t1 < 0) t1 = w.ntiles;
+  TORCH_CHECK(0 <= t0 && t0 <= t1 && t1 <= w.ntiles, "dequantize: bad tile range");
+  const int64_t N = (t1 - t0) * TILE_ROWS, K = w.K;
   auto out = torch::empty({N, K}, torch::dtype(bf16 ? torch::kBFloat16 : torch::kFloat));
   float* out32 = bf16 ? nullptr : out.data_ptr<float>();
   uint16_t* out16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-  (int4 ? dequant_impl<true> : dequant_impl<false>)(q.data_ptr<uint8_t>(), q.size(0), K, out32, out16);
+  dequant_impl(w, t0, t1, out32, out16);
   return out;
 }
 

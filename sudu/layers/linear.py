@@ -180,8 +180,8 @@ class QuantizedLinear(nn.Module):
     def __init__(self, fmt: str, qweight, scales, mins, bias, in_features: int, group_size: int = GROUP_SIZE,
                  out_features: int | None = None):
         super().__init__()
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+        if fmt not in FORMATS and fmt != "native":
+            raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS} or native")
         self.fmt = fmt
         self.in_features = in_features
         self.group_size = group_size
@@ -205,11 +205,16 @@ class QuantizedLinear(nn.Module):
         return cls(fmt, q, s, mins, bias, weight.shape[1], group_size)
 
     def row_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-        """(qweight, scales, mins, group size) in the row layout dequantize_torch takes (groups of 32)."""
+        """(qweight, scales, mins, group size) in the row layout dequantize_torch takes (groups of 32); int8 and
+        int4 only."""
         return (*unpack(self.fmt, self.qweight, self.out_features, self.in_features), 32)
 
     def select_rows(self, rows: torch.Tensor) -> "QuantizedLinear":
-        """A layer computing only the given output rows (a draft model's reduced head)."""
+        """A layer computing only the given output rows (a draft model's reduced head; a native layer's rows
+        in int8, close to the file's values: a draft only proposes tokens)."""
+        if self.fmt == "native":
+            bias = self.bias[rows] if self.bias is not None else None
+            return QuantizedLinear.from_float("int8", self.dequantized_weight()[rows], bias)
         q, s, m, g = self.row_layout()
         bias = self.bias[rows] if self.bias is not None else None
         return QuantizedLinear(self.fmt, q[rows], s[rows], m[rows] if m is not None else None, bias,
@@ -252,6 +257,9 @@ class QuantizedLinear(nn.Module):
 
     def _slice_dequantized(self, n0: int, n1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows n0..n1 (n0 a multiple of 16) dequantized."""
+        if self.fmt == "native":  # a segmented tensor: the kernels' dequantization (native layers need them)
+            w = self._ext.dequantize(self.qweight, dtype == torch.bfloat16, n0 // TILE_ROWS, -(-n1 // TILE_ROWS))
+            return w[:n1 - n0].to(dtype)
         tiles = self.qweight[n0 // TILE_ROWS:-(-n1 // TILE_ROWS)]
         if self._ext is not None and dtype in (torch.float32, torch.bfloat16):
             w = self._ext.dequantize(tiles, dtype == torch.bfloat16)  # whole tiles (int8: whole block pairs)
@@ -290,6 +298,20 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
                 fused.bias.copy_(torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
                                             for m in layers]))
         return fused.eval().requires_grad_(False)
+    if all(isinstance(m, QuantizedLinear) for m in layers) and any(m.fmt == "native" for m in layers):
+        # GGUF formats, possibly several: one segmented tensor (layers/gguf_native.py), whole tiles only
+        if len({m.in_features for m in layers}) != 1 or any(m.out_features % TILE_ROWS for m in layers):
+            return None
+        from sudu.layers import gguf_native
+
+        parts = [p for m in layers for p in gguf_native.layer_segments(m)]
+        if len({f for f, _ in parts}) > gguf_native.MAX_SEGMENTS:
+            return None
+        bias = None
+        if any(m.bias is not None for m in layers):
+            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
+        return QuantizedLinear("native", gguf_native.segmented(first.in_features, parts), None, None, bias,
+                               first.in_features, out_features=sum(m.out_features for m in layers))
     if all(isinstance(m, QuantizedLinear) for m in layers):
         if len({(m.fmt, m.in_features, m.group_size) for m in layers}) != 1:
             return None
@@ -307,16 +329,11 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     return None
 
 
-# What `--quantization auto` (the default) picks for a checkpoint whose weights are already quantized
-# (GGUF files such as the catalog's Q4_K_M): the fastest format that keeps greedy agreement with float32
-# >= 95% and perplexity within +3% on the default model, where a check at first load finds it holds the
-# checkpoint's accuracy (engine/auto_format.py; else int8). Float checkpoints stay float.
-AUTO_FORMAT = "int4"
-# ... except the output head, which `auto` keeps at 8 bits (as llama.cpp's Q4_K_M keeps it at 6-8): the most
-# sensitive matrix (it alone decides the argmax), and in the catalog's files already Q8_0, copied exactly.
-# int4 everywhere misses the accuracy bar above; the figures, and the head's cost per token, are in
-# docs/cpu_speed.md (measured by tests/test_quantization_accuracy.py).
-AUTO_HEAD_FORMAT = "int8"
+# What `--quantization auto` (the default) picks for a checkpoint whose weights are already quantized (GGUF
+# files such as the catalog's Q4_K_M): the file's own blocks (layers/gguf_native.py), the file's exact
+# values. int8 and int4 re-quantize them and stay as explicit choices (docs/cpu_speed.md compares the three).
+# Float checkpoints stay float.
+AUTO_FORMAT = "native"
 FLOAT_GGML_TYPES = {"F32", "F16", "BF16"}
 
 
@@ -340,8 +357,12 @@ def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZ
     in place, in format `fmt` or, for the modules named in `overrides`, the format given there. Q8_0
     tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is quantized from
     the loaded float weights. Layers that do not fit the group size stay float."""
+    if fmt == "native":
+        from sudu.layers.gguf_native import quantize_native
+
+        return quantize_native(model, ckpt)
     if fmt not in FORMATS:
-        raise ValueError(f"unknown quantization {fmt!r}; expected none, {', '.join(FORMATS)}")
+        raise ValueError(f"unknown quantization {fmt!r}; expected none, native, {', '.join(FORMATS)}")
     overrides = overrides or {}
     replaced, kept = 0, []
     for name, module in list(model.named_modules()):

@@ -1,0 +1,51 @@
+"""A text's logits through a network in one pass: what perplexity and greedy-agreement measurements use (the
+quantization accuracy tests, benchmarks/native_quality.py) and what the int8 KV calibration runs
+(engine/model_runner.py)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sudu.layers import linear
+from sudu.layers.attention import build_metadata
+from sudu.layers.kv_cache import KVCache
+
+
+@torch.inference_mode()
+def forward_text(model: torch.nn.Module, token_ids: list[int], pools: list) -> torch.Tensor:
+    """Final hidden states [n, hidden] of one sequence of token_ids, computed in one pass over the given
+    per-layer KV pools (slots 0..n-1), sliding-window layers under their window mask."""
+    cfg = model.config
+    n = len(token_ids)
+    window = cfg.sliding_window if "sliding_attention" in cfg.layer_types else None
+    device = pools[0].k.device
+    meta = build_metadata([n], [torch.arange(n)], pools, window)
+    if device.type != "cpu":
+        meta = meta.to(device)
+    return model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), meta)
+
+
+@torch.inference_mode()
+def text_logits(model: torch.nn.Module, token_ids: list[int], pools: list | None = None,
+                prefill_min_rows: int = 1 << 30) -> torch.Tensor:
+    """float32 logits at every position, over the given per-layer KV pools (default: temporary float32
+    ones). linear.PREFILL_MIN_ROWS is set to prefill_min_rows for the call: by default every row goes
+    through the decode kernel, as decoding computes it. (tests/test_quantization_accuracy.py measures
+    through this too.)"""
+    cfg = model.config
+    if pools is None:
+        heads, k_dim, v_dim = cfg.kv_cache_shape()
+        pools = [KVCache(len(token_ids), heads, k_dim, torch.float32, v_head_dim=v_dim)
+                 for _ in range(cfg.num_hidden_layers)]
+    saved, linear.PREFILL_MIN_ROWS = linear.PREFILL_MIN_ROWS, prefill_min_rows
+    try:
+        return model.compute_logits(forward_text(model, token_ids, pools)).float()
+    finally:
+        linear.PREFILL_MIN_ROWS = saved
+
+
+def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
+    """Perplexity of token_ids[1:] under logits[:-1] (logits at every position of token_ids)."""
+    target = torch.tensor(token_ids[1:]).unsqueeze(1)
+    return math.exp(-torch.log_softmax(logits[:-1], dim=-1).gather(1, target).mean().item())

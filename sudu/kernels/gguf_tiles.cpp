@@ -1,0 +1,355 @@
+// GGUF's quantized block formats run as the file stores them (`--quantization native`): Q5_0, Q4_K, Q5_K and
+// Q6_K. (Q8_0 is exactly sudu's int8 tile, Q4_0 and Q4_1 exactly its int4 tile: layers/gguf_native.py.)
+//
+// The codes and scales are the file's, bit for bit; only their order changes, into tiles of 16 rows as
+// quant_linear.cpp's kernels read them, so one vector operation covers one block of 16 rows. That is
+// what llama.cpp forks do with run-time repacking (ik_llama.cpp's -rtr): same bytes per weight as the file,
+// laid out for the vector units.
+//
+// Per tile and 32-column block, every format starts with the 4 low bits of each code in int4's layout:
+//   256 bytes, 4 chunks of 64: chunk c, lane l (bytes 4l..4l+3), byte k: row l's column 8c+k in the
+//   low nibble, column 8c+4+k in the high one.
+// then the codes' high bits, if any:
+//   1 bit (Q5_0, Q5_K), 64 bytes: lane l's 32-bit word, byte k: bit c = column 8c+k's fifth bit, bit 4+c =
+//     column 8c+4+k's. For chunk c, (word << (4 - c)) & 0x10 and (word >> c) & 0x10 put them at bit 4 of the
+//     low and the high nibbles' bytes (no bit of a neighbouring byte lands there).
+//   2 bits (Q6_K), 128 bytes: two such words per lane, for the low nibbles' columns then the high ones':
+//     byte k, bits 2c, 2c+1 = column 8c+k's (or 8c+4+k's) bits 4 and 5, moved to bits 4-5 by a shift of
+//     4 - 2c.
+// and per group of blocks (1 block for Q5_0, a 256-column super-block of 8 for the K-quants) a tail:
+//   Q5_0: the 16 rows' float16 d (32 bytes). w = d * (q - 16).
+//   Q4_K / Q5_K: the 8 blocks' 6-bit scales and mins as bytes, [block][row] (128 + 128), then float16 d and
+//     dmin (32 + 32). w = d * sc * q - dmin * m.
+//   Q6_K: the 16 sub-blocks' (16 columns each) int8 scales [sub-block][row] (256), then float16 d (32).
+//     w = d * sc * (q - 32).
+// Q4_K and Q5_K keep their scales unpacked: 4 bytes per row and super-block more than the file's 12 packed
+// bytes (148 against 144, 180 against 176); the others are exactly the file's bytes per weight.
+//
+// Dot products: the activations are int8 with one scale per 32 columns (quant_linear.cpp's; finer than
+// llama.cpp's per-256 q8_K for the K-quants). Each (block, activation block) pair is an integer dot
+// product of the unsigned codes (vpdpbusd, or AVX2 maddubs + madd: the same integers), its offset
+// removed in integers (q - 16: 16 * sum(x codes); Q6_K per 16 columns), the K-quants' sub-block scales
+// applied in integers (Q6_K: both 16-column sub-blocks summed before any float work), then one float
+// multiply-add per block and 16 rows with d * sx (K-quants: another with dmin * m * xsum for the mins).
+// As for int8/int4, a row's result is the same at any row count and on either instruction set.
+#include "quant_tiles.h"
+
+#include <cstring>
+#include <type_traits>
+
+namespace qtiles {
+namespace {
+
+constexpr int blocks_per_group(int64_t f) { return f == Q5_0 ? 1 : 8; }
+constexpr int high_bits(int64_t f) { return f == Q6_K ? 2 : f == Q4_K ? 0 : 1; }
+constexpr int64_t block_bytes(int64_t f) { return 256 + 64 * high_bits(f); }
+constexpr int64_t tail_bytes(int64_t f) { return f == Q5_0 ? 32 : f == Q6_K ? 288 : 320; }
+constexpr int64_t group_bytes(int64_t f) { return blocks_per_group(f) * block_bytes(f) + tail_bytes(f); }
+
+template <int S>
+SUDU_VNNI inline __m512i shift512(__m512i v) {
+  if constexpr (S > 0) return _mm512_slli_epi32(v, S);
+  else if constexpr (S < 0) return _mm512_srli_epi32(v, -S);
+  else return v;
+}
+template <int S>
+inline __m256i shift256(__m256i v) {
+  if constexpr (S > 0) return _mm256_slli_epi32(v, S);
+  else if constexpr (S < 0) return _mm256_srli_epi32(v, -S);
+  else return v;
+}
+
+// The prefetches of one stretch of the weight stream [at, at + n), PREFETCH_BYTES ahead.
+inline void prefetch_ahead(const uint8_t* at, int64_t n) {
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o + PREFETCH_BYTES), _MM_HINT_T0);
+}
+
+// Chunk c (columns 8c..8c+7) of block b of a tile: the codes (low nibbles and high bits) of its 16 rows
+// against R activation rows, into S (Q6_K: columns 16..31 into S2).
+template <int64_t F, int R, int c>
+SUDU_VNNI inline void vnni_chunk(const uint8_t* bp, __m512i W0, __m512i W1, const Acts& a, int64_t b, __m512i* S,
+                                 __m512i* S2) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i raw = _mm512_loadu_si512(bp + 64 * c);
+  __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+  if constexpr (high_bits(F) == 1) {
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(shift512<4 - c>(W0), bit4));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(shift512<-c>(W0), bit4));
+  } else if constexpr (high_bits(F) == 2) {
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(shift512<4 - 2 * c>(W0), bits45));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(shift512<4 - 2 * c>(W1), bits45));
+  }
+  __m512i* T = (F == Q6_K && c >= 2) ? S2 : S;
+  for (int i = 0; i < R; ++i) {
+    const __m512i xl = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c)), xh = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c + 4));
+    T[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(T[i], lo, xl), hi, xh);
+  }
+}
+
+template <int64_t F, int R>
+SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
+  constexpr int G = blocks_per_group(F), HB = high_bits(F);
+  constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
+  const int64_t nb = a.nb, ng = nb / G;
+  if (count > 1) prefetch_start(p);
+  for (int64_t t = 0; t < count; ++t) {
+    const uint8_t* tp = p + t * ng * GB;
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* gp = tp + g * GB;
+      const uint8_t* tail = gp + G * BB;
+      prefetch_ahead(tail, tail_bytes(F));
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + tail_bytes(F) - (F == Q4_K || F == Q5_K ? 64 : 32))));
+      __m512 dminv = _mm512_setzero_ps();
+      if constexpr (F == Q4_K || F == Q5_K) dminv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 288)));
+      for (int j = 0; j < G; ++j) {
+        const int64_t b = g * G + j;
+        const uint8_t* bp = gp + j * BB;
+        prefetch_ahead(bp, BB);
+        __m512i S[R], S2[R];
+        for (int i = 0; i < R; ++i) S[i] = S2[i] = _mm512_setzero_si512();
+        __m512i W0 = _mm512_setzero_si512(), W1 = _mm512_setzero_si512();
+        if constexpr (HB >= 1) W0 = _mm512_loadu_si512(bp + 256);
+        if constexpr (HB == 2) W1 = _mm512_loadu_si512(bp + 320);
+        vnni_chunk<F, R, 0>(bp, W0, W1, a, b, S, S2);
+        vnni_chunk<F, R, 1>(bp, W0, W1, a, b, S, S2);
+        vnni_chunk<F, R, 2>(bp, W0, W1, a, b, S, S2);
+        vnni_chunk<F, R, 3>(bp, W0, W1, a, b, S, S2);
+        if constexpr (F == Q5_0) {
+          for (int i = 0; i < R; ++i) {
+            const __m512i s = _mm512_sub_epi32(S[i], _mm512_set1_epi32(16 * a.isum[i * nb + b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[i * nb + b])), acc[i]);
+          }
+        } else if constexpr (F == Q6_K) {
+          const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j)));
+          const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j + 16)));
+          for (int i = 0; i < R; ++i) {
+            const int32_t* i16 = a.isum16 + i * 2 * nb + 2 * b;
+            const __m512i ta = _mm512_mullo_epi32(_mm512_sub_epi32(S[i], _mm512_set1_epi32(32 * i16[0])), sa);
+            const __m512i tb = _mm512_mullo_epi32(_mm512_sub_epi32(S2[i], _mm512_set1_epi32(32 * i16[1])), sb);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ta, tb)),
+                                     _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[i * nb + b])), acc[i]);
+          }
+        } else {
+          const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16 * j)));
+          const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 128 + 16 * j))));
+          for (int i = 0; i < R; ++i) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(S[i], sc)),
+                                     _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[i * nb + b])), acc[i]);
+            acc[i] = _mm512_fnmadd_ps(mn, _mm512_mul_ps(dminv, _mm512_set1_ps(a.xsum[i * nb + b])), acc[i]);
+          }
+        }
+      }
+    }
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i], bv));
+  }
+}
+
+// The same on AVX2: each tile as two 8-lane halves, the same integers and float operations per lane.
+template <int64_t F, int R>
+void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
+  constexpr int G = blocks_per_group(F), HB = high_bits(F);
+  constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
+  const int64_t nb = a.nb, ng = nb / G;
+  const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30),
+                ones = _mm256_set1_epi16(1);
+  auto dot4 = [&](__m256i q, int x4) { return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)), ones); };
+  for (int64_t t = 0; t < count; ++t) {
+    const uint8_t* tp = p + t * ng * GB;
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[R];
+      for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* gp = tp + g * GB;
+        const uint8_t* tail = gp + G * BB;
+        prefetch_ahead(tail, tail_bytes(F));
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            tail + tail_bytes(F) - (F == Q4_K || F == Q5_K ? 64 : 32) + 16 * h)));
+        __m256 dminv = _mm256_setzero_ps();
+        if constexpr (F == Q4_K || F == Q5_K) dminv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 288 + 16 * h)));
+        for (int j = 0; j < G; ++j) {
+          const int64_t b = g * G + j;
+          const uint8_t* bp = gp + j * BB;
+          prefetch_ahead(bp, BB);
+          __m256i S[R], S2[R];
+          for (int i = 0; i < R; ++i) S[i] = S2[i] = _mm256_setzero_si256();
+          __m256i W0 = _mm256_setzero_si256(), W1 = _mm256_setzero_si256();
+          if constexpr (HB >= 1) W0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 256 + 32 * h));
+          if constexpr (HB == 2) W1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 320 + 32 * h));
+          auto chunk = [&](auto cc) {
+            constexpr int c = decltype(cc)::value;
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h));
+            __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            if constexpr (HB == 1) {
+              lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - c>(W0), bit4));
+              hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<-c>(W0), bit4));
+            } else if constexpr (HB == 2) {
+              lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - 2 * c>(W0), bits45));
+              hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<4 - 2 * c>(W1), bits45));
+            }
+            __m256i* T = (F == Q6_K && c >= 2) ? S2 : S;
+            for (int i = 0; i < R; ++i)
+              T[i] = _mm256_add_epi32(T[i], _mm256_add_epi32(dot4(lo, a.x4(i, 32 * b + 8 * c)), dot4(hi, a.x4(i, 32 * b + 8 * c + 4))));
+          };
+          chunk(std::integral_constant<int, 0>{});
+          chunk(std::integral_constant<int, 1>{});
+          chunk(std::integral_constant<int, 2>{});
+          chunk(std::integral_constant<int, 3>{});
+          if constexpr (F == Q5_0) {
+            for (int i = 0; i < R; ++i) {
+              const __m256i s = _mm256_sub_epi32(S[i], _mm256_set1_epi32(16 * a.isum[i * nb + b]));
+              acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(a.sx[i * nb + b])), acc[i]);
+            }
+          } else if constexpr (F == Q6_K) {
+            const __m256i sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tail + 32 * j + 8 * h)));
+            const __m256i sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tail + 32 * j + 16 + 8 * h)));
+            for (int i = 0; i < R; ++i) {
+              const int32_t* i16 = a.isum16 + i * 2 * nb + 2 * b;
+              const __m256i ta = _mm256_mullo_epi32(_mm256_sub_epi32(S[i], _mm256_set1_epi32(32 * i16[0])), sa);
+              const __m256i tb = _mm256_mullo_epi32(_mm256_sub_epi32(S2[i], _mm256_set1_epi32(32 * i16[1])), sb);
+              acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ta, tb)),
+                                       _mm256_mul_ps(dv, _mm256_set1_ps(a.sx[i * nb + b])), acc[i]);
+            }
+          } else {
+            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tail + 16 * j + 8 * h)));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tail + 128 + 16 * j + 8 * h))));
+            for (int i = 0; i < R; ++i) {
+              acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(S[i], sc)),
+                                       _mm256_mul_ps(dv, _mm256_set1_ps(a.sx[i * nb + b])), acc[i]);
+              acc[i] = _mm256_fnmadd_ps(mn, _mm256_mul_ps(dminv, _mm256_set1_ps(a.xsum[i * nb + b])), acc[i]);
+            }
+          }
+        }
+      }
+      const int64_t o = TILE_ROWS * t + 8 * h;
+      const __m256 bv = bias ? _mm256_loadu_ps(bias + o) : _mm256_setzero_ps();
+      for (int i = 0; i < R; ++i) _mm256_storeu_ps(y + i * ldy + o, _mm256_add_ps(acc[i], bv));
+    }
+  }
+}
+
+template <int64_t F>
+void dot_rows(bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
+  switch (R) {
+#define SUDU_R(N) \
+  case N: return vnni ? dot_vnni<F, N>(p, count, a, bias, y, ldy) : dot_avx2<F, N>(p, count, a, bias, y, ldy);
+    SUDU_R(1) SUDU_R(2) SUDU_R(3) SUDU_R(4) SUDU_R(5) SUDU_R(6) SUDU_R(7) SUDU_R(8)
+#undef SUDU_R
+    default: break;
+  }
+}
+
+// One tile as float32: per block and 8-row half, each chunk's codes (low nibbles and high bits as the
+// kernels assemble them) unpacked to 8 consecutive columns of 8 rows (as quant_linear.cpp's
+// dequant_int4_tile), then w = (q - offset) * A - B with A and B per row and block (Q6_K: per 16 columns),
+// in the order GGUF's reference computes them: Q5_0 (q - 16) * d, Q4_K/Q5_K (d * sc) * q - dmin * m, Q6_K
+// (d * sc) * (q - 32).
+template <int64_t F>
+void dequant_tile(const uint8_t* tp, int64_t K, float* out, int64_t ldo) {
+  constexpr int G = blocks_per_group(F), HB = high_bits(F);
+  constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
+  constexpr float OFF = F == Q5_0 ? 16.f : F == Q6_K ? 32.f : 0.f;
+  const int64_t ng = K / 32 / G;
+  const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
+  static const int rows_of[2][4] = {{0, 1, 4, 5}, {2, 3, 6, 7}};
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* gp = tp + g * GB;
+    const uint8_t* tail = gp + G * BB;
+    uint16_t dh[16], dminh[16];
+    std::memcpy(dh, tail + tail_bytes(F) - (F == Q4_K || F == Q5_K ? 64 : 32), 32);
+    if (F == Q4_K || F == Q5_K) std::memcpy(dminh, tail + 288, 32);
+    for (int j = 0; j < G; ++j) {
+      const int64_t b = g * G + j;
+      const uint8_t* bp = gp + j * BB;
+      for (int h = 0; h < 2; ++h) {
+        float A[2][8], B[8];
+        for (int r = 0; r < 8; ++r) {
+          const int row = 8 * h + r;
+          const float d = _cvtsh_ss(dh[row]);
+          if (F == Q5_0) {
+            A[0][r] = A[1][r] = d;
+            B[r] = 0.f;
+          } else if (F == Q6_K) {
+            A[0][r] = d * static_cast<float>(static_cast<int8_t>(tail[32 * j + row]));
+            A[1][r] = d * static_cast<float>(static_cast<int8_t>(tail[32 * j + 16 + row]));
+            B[r] = 0.f;
+          } else {
+            A[0][r] = A[1][r] = d * static_cast<float>(tail[16 * j + row]);
+            B[r] = _cvtsh_ss(dminh[row]) * static_cast<float>(tail[128 + 16 * j + row]);
+          }
+        }
+        __m256i W0 = _mm256_setzero_si256(), W1 = _mm256_setzero_si256();
+        if (HB >= 1) W0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 256 + 32 * h));
+        if (HB == 2) W1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 320 + 32 * h));
+        auto chunk = [&](auto cc) {
+          constexpr int c = decltype(cc)::value;
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h));
+          __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          if constexpr (HB == 1) {
+            lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - c>(W0), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<-c>(W0), bit4));
+          } else if constexpr (HB == 2) {
+            lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - 2 * c>(W0), bits45));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<4 - 2 * c>(W1), bits45));
+          }
+          const __m256i u[2] = {_mm256_unpacklo_epi32(lo, hi), _mm256_unpackhi_epi32(lo, hi)};
+          for (int k = 0; k < 2; ++k) {
+            const __m128i halves[2] = {_mm256_castsi256_si128(u[k]), _mm256_extracti128_si256(u[k], 1)};
+            for (int e = 0; e < 4; ++e) {
+              const __m128i v = e % 2 ? _mm_srli_si128(halves[e / 2], 8) : halves[e / 2];
+              const int r = rows_of[k][e];
+              __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+              if (OFF != 0.f) f = _mm256_sub_ps(f, _mm256_set1_ps(OFF));
+              f = _mm256_mul_ps(f, _mm256_set1_ps(A[c / 2][r]));
+              if (F == Q4_K || F == Q5_K) f = _mm256_sub_ps(f, _mm256_set1_ps(B[r]));
+              _mm256_storeu_ps(out + (8 * h + r) * ldo + 32 * b + 8 * c, f);
+            }
+          }
+        };
+        chunk(std::integral_constant<int, 0>{});
+        chunk(std::integral_constant<int, 1>{});
+        chunk(std::integral_constant<int, 2>{});
+        chunk(std::integral_constant<int, 3>{});
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int64_t gguf_tile_bytes(int64_t fmt, int64_t K) {
+  switch (fmt) {
+    case Q5_0: return K / 32 * group_bytes(Q5_0);
+    case Q4_K: return K / 256 * group_bytes(Q4_K);
+    case Q5_K: return K / 256 * group_bytes(Q5_K);
+    case Q6_K: return K / 256 * group_bytes(Q6_K);
+    default: return -1;
+  }
+}
+
+void gguf_dot_tiles(int64_t fmt, bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, const float* bias,
+                    float* y, int64_t ldy) {
+  switch (fmt) {
+    case Q5_0: return dot_rows<Q5_0>(vnni, R, p, count, a, bias, y, ldy);
+    case Q4_K: return dot_rows<Q4_K>(vnni, R, p, count, a, bias, y, ldy);
+    case Q5_K: return dot_rows<Q5_K>(vnni, R, p, count, a, bias, y, ldy);
+    case Q6_K: return dot_rows<Q6_K>(vnni, R, p, count, a, bias, y, ldy);
+    default: break;
+  }
+}
+
+void gguf_dequant_tile(int64_t fmt, const uint8_t* tp, int64_t K, float* out, int64_t ldo) {
+  switch (fmt) {
+    case Q5_0: return dequant_tile<Q5_0>(tp, K, out, ldo);
+    case Q4_K: return dequant_tile<Q4_K>(tp, K, out, ldo);
+    case Q5_K: return dequant_tile<Q5_K>(tp, K, out, ldo);
+    case Q6_K: return dequant_tile<Q6_K>(tp, K, out, ldo);
+    default: break;
+  }
+}
+
+}  // namespace qtiles

@@ -1,0 +1,57 @@
+// What quant_linear.cpp (the int8/int4 tiles, the calls) and gguf_tiles.cpp (GGUF's own block formats in
+// tiles) share: the tile geometry, one call's quantized activations, the prefetch distance, and the GGUF
+// formats' entry points.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace qtiles {
+
+// Weight rows per tile: one row per 32-bit lane of a 512-bit vector.
+constexpr int64_t TILE_ROWS = 16;
+
+// Weights stream from memory once per call; every kernel prefetches this far ahead of its loads (one
+// prefetch per 64-byte line, measured best among 2-32 KiB: the hardware prefetcher alone leaves the
+// kernel 20-40% short of the bandwidth). Prefetching past the end is harmless (no fault).
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+// The first PREFETCH_BYTES of a call's weights, requested at once: the in-loop prefetch only reaches
+// ahead of the loads, so without this each call (96 a step on the 0.5B, each thread a range of rows)
+// would start with lines loaded on demand.
+inline void prefetch_start(const uint8_t* q) {
+  for (int64_t o = 0; o < PREFETCH_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(q + o), _MM_HINT_T0);
+}
+
+// Compiled for VNNI by attribute only: the caller dispatches on the running CPU.
+#define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+// One call's quantized activations, from the first row a kernel call takes (row stride K codes, nb blocks
+// of 32 columns): x ~= sx * xq per block.
+struct Acts {
+  const int8_t* xq;
+  const float* sx;        // per block
+  const float* xsum;      // per block: sx * sum(codes)
+  const int32_t* isum;    // per block: sum(codes)
+  const int32_t* isum16;  // per 16 columns: sum(codes) (row stride 2 nb)
+  int64_t K, nb;
+  inline int x4(int i, int64_t col) const { return *reinterpret_cast<const int*>(xq + i * K + col); }
+};
+
+// Weight formats of a tile range. INT8 and INT4 are sudu's own tiles (quant_linear.cpp); the others hold a
+// GGUF file's blocks, the same codes and scales in the same bits, rearranged into tiles (gguf_tiles.cpp).
+enum Format : int64_t { INT8 = 0, INT4 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+
+inline bool is_gguf_format(int64_t f) { return f >= Q5_0 && f <= Q6_K; }
+// Bytes of one tile (16 rows) of K columns in a GGUF format; K a multiple of its group (32 or 256).
+int64_t gguf_tile_bytes(int64_t fmt, int64_t K);
+// R (1..8) activation rows against `count` consecutive tiles from p, as quant_linear.cpp's dot_tiles:
+// tile t's outputs (plus bias) go to y[i * ldy + 16 * t + lane]. vnni: the AVX-512 VNNI path, else AVX2;
+// both compute the same integers and the same float operations in the same order.
+void gguf_dot_tiles(int64_t fmt, bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, const float* bias,
+                    float* y, int64_t ldy);
+// One tile's 16 rows of K columns as float32 into out (row stride ldo), the values GGUF's reference
+// dequantization defines.
+void gguf_dequant_tile(int64_t fmt, const uint8_t* tp, int64_t K, float* out, int64_t ldo);
+
+}  // namespace qtiles

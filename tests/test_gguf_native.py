@@ -1,0 +1,172 @@
+"""`--quantization native`: GGUF's own blocks in the native kernels (layers/gguf_native.py,
+kernels/gguf_tiles.cpp). Every format on random blocks against gguf-py's reference dequantization:
+dequantized weights bit for bit, products within float rounding of (reference weights) x (the kernel's
+int8-rounded activations), a row's result independent of its batch and of the instruction set, and fused
+layers of mixed formats equal to their parts."""
+import numpy as np
+import pytest
+import torch
+
+from sudu import kernels
+from sudu.layers import gguf_native, linear
+from sudu.weights.gguf import QuantizedTensor
+
+ext = kernels.load()
+pytestmark = pytest.mark.skipif(ext is None, reason="native kernels unavailable")
+
+# bytes per block and the offsets of its float16 fields (d, and dmin / m)
+BLOCKS = {"Q8_0": (32, 34, [0]), "Q4_0": (32, 18, [0]), "Q4_1": (32, 20, [0, 2]), "Q5_0": (32, 22, [0]),
+          "Q4_K": (256, 144, [0, 2]), "Q5_K": (256, 176, [0, 2]), "Q6_K": (256, 210, [208])}
+
+
+def random_tensor(ggml_type: str, n: int, k: int, seed: int = 0, permute: bool = False) -> QuantizedTensor:
+    """A GGUF tensor of random blocks: every bit pattern is a valid block once its float16 fields are finite."""
+    per, size, f16_at = BLOCKS[ggml_type]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    for at in f16_at:
+        scale = rng.uniform(0.2, 1.0, size=(n, k // per)) * (0.01 if ggml_type.endswith("_K") else 0.05)
+        sign = 1 if at == 0 or ggml_type != "Q4_1" else -1
+        blocks[:, :, at:at + 2] = (sign * scale).astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
+    perm = rng.permutation(n) if permute else None
+    return QuantizedTensor("w", "w", ggml_type, (n, k), blocks.reshape(n, -1), row_permutation=perm)
+
+
+def reference_weight(qt: QuantizedTensor) -> torch.Tensor:
+    """gguf-py's dequantization (independent of sudu's decoders), rows permuted as sudu's loader does."""
+    import gguf.quants
+
+    blocks = qt.blocks if qt.row_permutation is None else qt.blocks[qt.row_permutation]
+    values = gguf.quants.dequantize(np.ascontiguousarray(blocks), gguf.GGMLQuantizationType[qt.ggml_type])
+    return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(qt.shape))
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels quantize it: int8 per 32 columns, scale amax / 127, x * (1 / d) rounded to even."""
+    g = x.reshape(x.shape[0], -1, 32)
+    d = g.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(g * inv) * d).reshape(x.shape)
+
+
+def isas() -> list[str]:
+    return ["avx2", "native"] if ext.set_isa("native") == "avx512vnni" else ["avx2"]
+
+
+@pytest.fixture(autouse=True)
+def restore_isa():
+    yield
+    ext.set_isa("native")
+
+
+@pytest.mark.parametrize("ggml_type", list(BLOCKS))
+def test_each_format_matches_the_reference(ggml_type):
+    n, k = 40, 512  # 40 rows: a padded last tile
+    qt = random_tensor(ggml_type, n, k, permute=True)
+    ref = reference_weight(qt)
+    bias = torch.randn(n)
+    layer = gguf_native.native_layer(qt, bias)
+    assert torch.equal(layer.dequantized_weight(), ref)
+    assert torch.equal(layer._slice_dequantized(16, 40), ref[16:40])
+    assert layer.weight_bytes() <= qt.blocks.nbytes * 148 / 144 + 2 * 16 * k  # the file's bytes, and padding
+    torch.manual_seed(1)
+    x = torch.randn(64, k)
+    want = rounded_activations(x).double() @ ref.double().T + bias.double()
+    outputs = {}
+    for isa in isas():
+        ext.set_isa(isa)
+        for m in (1, 2, 3, 5, 8, 9, 17, 64):
+            y = layer(x[:m])
+            err = (y.double() - want[:m]).abs().max() / want[:m].abs().max()
+            assert err < 2e-5, (isa, m, float(err))
+            # a row's result does not depend on the rows it shares the call with
+            assert torch.equal(y, layer(x[:m].flip(0)).flip(0))
+            outputs[(isa, m)] = y
+        assert torch.equal(outputs[(isa, 64)][:9], outputs[(isa, 9)])
+        assert torch.equal(outputs[(isa, 1)], outputs[(isa, 17)][:1])
+    if len(isas()) == 2:  # AVX2 and VNNI: the same integers and float operations
+        assert torch.equal(outputs[("avx2", 64)], outputs[("native", 64)])
+
+
+def test_text_decoders_match_gguf_py():
+    """decode's codes and scales, through reference_dequantize, are gguf-py's values."""
+    for ggml_type in ("Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"):
+        qt = random_tensor(ggml_type, 3, 512, seed=2)
+        fields = gguf_native.decode(qt.blocks, ggml_type, 512)
+        assert torch.equal(gguf_native.reference_dequantize(fields, ggml_type), reference_weight(qt)), ggml_type
+
+
+def test_fused_layers_of_mixed_formats_equal_their_parts():
+    """q/k/v of three formats (and gate/up of one) fused into one segmented call: the same outputs, bit for
+    bit, as the separate layers, at 1 and 7 rows, through the kernels and dequantized."""
+    k = 512
+    parts = [gguf_native.native_layer(random_tensor(t, n, k, seed=i), torch.randn(n) if i != 1 else None)
+             for i, (t, n) in enumerate([("Q5_0", 64), ("Q4_K", 32), ("Q8_0", 32), ("Q6_K", 16)])]
+    fused = linear.fuse_linears(parts)
+    assert fused is not None and fused.fmt == "native" and fused.out_features == 144
+    assert [f for f, _ in gguf_native.segments(fused.qweight)] == [gguf_native.Q5_0, gguf_native.Q4_K,
+                                                                    gguf_native.INT8, gguf_native.Q6_K]
+    x = torch.randn(7, k)
+    for m in (1, 7):
+        assert torch.equal(fused(x[:m]), torch.cat([p(x[:m]) for p in parts], dim=1))
+    assert torch.equal(fused.dequantized_weight(), torch.cat([p.dequantized_weight() for p in parts]))
+    same = linear.fuse_linears([parts[0], gguf_native.native_layer(random_tensor("Q5_0", 48, k, seed=9), None)])
+    assert len(gguf_native.segments(same.qweight)) == 1  # one format: one segment
+
+
+def test_bad_segmented_tensors_are_refused():
+    layer = gguf_native.native_layer(random_tensor("Q5_0", 16, 64), None)
+    broken = layer.qweight.clone()
+    broken[8 * 3 + 8:8 * 3 + 16] = torch.from_numpy(np.array([1 << 40], dtype=np.int64).view(np.uint8))  # tiles
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ext.qlinear(torch.randn(1, 64), broken, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ext.qlinear(torch.randn(1, 96), layer.qweight, None)
+
+
+def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):
+    """quantize_model(native) on a GGUF: each linear layer holds its tensor's own blocks (dequantized, the
+    file's values exactly); float tensors become int8, and the log says so."""
+    from sudu.engine.model_runner import load_network
+    from sudu.weights.gguf import dequantize
+    from sudu.weights.loader import load_checkpoint
+    from tests.test_gguf import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf", "qwen2")
+    ckpt = load_checkpoint(str(tmp_path / "m.gguf"), progress=False)
+    model = load_network(ckpt.config, ckpt.tensors(torch.float32), torch.float32)
+    linear.quantize_model(model, ckpt, "native")
+    checked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, linear.QuantizedLinear):
+            qt = ckpt.quantized(f"{name}.weight")
+            if qt is not None and qt.ggml_type in gguf_native.NATIVE_TYPES:
+                assert torch.equal(module.dequantized_weight(), dequantize(qt)), name
+                checked += 1
+    assert checked == 2 * 5 + 1  # per layer v, o, gate, up, down; the head
+    assert "q_proj (float)" in caplog.text  # the file's float q/k: int8, said
+
+
+def test_auto_runs_a_quantized_gguf_natively_and_speculation_stays_lossless(tmp_path):
+    """`auto` on a quantized GGUF is native; greedy output does not depend on the batch, and n-gram
+    speculation (verification rows beside other rows) gives exactly plain decoding's tokens."""
+    import random
+
+    from sudu.engine.llm import LLM
+    from sudu.sampling import SamplingParams
+    from tests.test_gguf import write_tiny_gguf
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2")
+    plain = LLM(str(path), progress=False, kv_cache_memory=8 << 20)
+    assert plain.engine.quantization == "native"
+    fmts = {m.fmt for m in plain.engine.runner.model.modules() if isinstance(m, linear.QuantizedLinear)}
+    assert "native" in fmts
+    g = random.Random(0)
+    prompts = [[g.randrange(250) for _ in range(g.randrange(3, 9))] * 3 for _ in range(12)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    batched = [r.token_ids for r in plain.generate(prompts, params)]
+    assert [plain.generate([p], params)[0].token_ids for p in prompts[:4]] == batched[:4]
+    spec = LLM(str(path), progress=False, kv_cache_memory=8 << 20, speculative="ngram", speculative_max_batch=64)
+    assert [r.token_ids for r in spec.generate(prompts, params)] == batched
+    assert spec.engine.speculator.num_draft_tokens > 0
