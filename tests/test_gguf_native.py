@@ -133,6 +133,12 @@ def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):
     from tests.test_gguf import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "m.gguf", "qwen2")
+    write_tiny_gguf(tmp_path / "tied.gguf", "qwen2", tied=True)
+    tied = load_checkpoint(str(tmp_path / "tied.gguf"), progress=False)
+    tied_model = linear.quantize_model(load_network(tied.config, tied.tensors(torch.float32), torch.float32), tied, "native")
+    # the file stores the tied table once (Q8_0): the head runs those blocks and the lookup shares its tiles
+    assert tied_model.model.embed_tokens.qweight is tied_model.lm_head.qweight
+    assert torch.equal(tied_model.lm_head.dequantized_weight()[:259], dequantize(tied.quantized("model.embed_tokens.weight")))
     ckpt = load_checkpoint(str(tmp_path / "m.gguf"), progress=False)
     model = load_network(ckpt.config, ckpt.tensors(torch.float32), torch.float32)
     linear.quantize_model(model, ckpt, "native")
@@ -144,6 +150,10 @@ def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):
                 assert torch.equal(module.dequantized_weight(), dequantize(qt)), name
                 checked += 1
     assert checked == 2 * 5 + 1  # per layer v, o, gate, up, down; the head
+    emb = model.model.embed_tokens
+    assert isinstance(emb, gguf_native.QuantizedEmbedding)  # no float table kept
+    ids = torch.tensor([3, 258, 0])
+    assert torch.equal(emb(ids), dequantize(ckpt.quantized("model.embed_tokens.weight"))[ids])
     assert "q_proj (float)" in caplog.text  # the file's float q/k: int8, said
 
 
@@ -170,3 +180,16 @@ def test_auto_runs_a_quantized_gguf_natively_and_speculation_stays_lossless(tmp_
     spec = LLM(str(path), progress=False, kv_cache_memory=8 << 20, speculative="ngram", speculative_max_batch=64)
     assert [r.token_ids for r in spec.generate(prompts, params)] == batched
     assert spec.engine.speculator.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_embedding_rows_are_the_files_values(ggml_type):
+    """QuantizedEmbedding looks rows up from the tiles: the reference dequantization's rows, bit for bit, in
+    any order and with repeats; ids outside the table are refused."""
+    qt = random_tensor(ggml_type, 40, 512, seed=4)
+    ref = reference_weight(qt)
+    emb = gguf_native.QuantizedEmbedding(gguf_native.native_layer(qt, None).qweight, 40, 512, torch.float32)
+    ids = torch.tensor([[39, 0, 17], [17, 5, 16]])
+    assert torch.equal(emb(ids), ref[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(torch.tensor([48]))

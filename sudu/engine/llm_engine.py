@@ -87,6 +87,7 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
         self.speculator = Speculator(config, self, ckpt) if config.speculative != "none" else None
+        ckpt.release_pages()
         release_freed_memory()
         self.memory = memory_report(self)
         gib = 1 << 30

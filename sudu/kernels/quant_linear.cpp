@@ -603,6 +603,34 @@ torch::Tensor dequantize(torch::Tensor q, bool bf16, int64_t t0, int64_t t1) {
   return out;
 }
 
+// Rows `ids` of the weights (K columns) as float32 [n, K]: an embedding lookup from a quantized table, with
+// dequantize's values bit for bit. Each row's tile is dequantized into a buffer and its lane copied out
+// (16 rows' work for one: a step looks up a few rows, a prompt chunk a few hundred).
+torch::Tensor embedding_rows(torch::Tensor q, torch::Tensor ids, int64_t K) {
+  const Weights w = weights_of(q, K);
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "ids must be int64 [n]");
+  ids = ids.contiguous();
+  const int64_t n = ids.numel(), N = w.ntiles * TILE_ROWS;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "embedding_rows: id out of range");
+  auto out = torch::empty({n, K}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 32, [&](int64_t a, int64_t b) {
+    std::vector<float> buf(TILE_ROWS * K);
+    for (int64_t i = a; i < b; ++i) {
+      int64_t t = id[i] / TILE_ROWS;
+      for (int r = 0; r < w.n; t -= w.r[r].ntiles, ++r) {
+        if (t < w.r[r].ntiles) {
+          dequant_tile(w.r[r], w.r[r].p + t * w.r[r].tile_bytes, K, buf.data(), K);
+          break;
+        }
+      }
+      std::memcpy(o + i * K, buf.data() + (id[i] % TILE_ROWS) * K, sizeof(float) * K);
+    }
+  });
+  return out;
+}
+
 // "avx512vnni" or "avx2": the dot-product path qlinear takes. set_isa("avx2") forces the AVX2 path (the
 // tests check both give identical results); set_isa("native") restores the CPU's best.
 std::string isa() { return use_vnni ? "avx512vnni" : "avx2"; }

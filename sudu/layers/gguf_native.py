@@ -246,12 +246,47 @@ def native_layer(qt, bias: torch.Tensor | None) -> "linear.QuantizedLinear":
     return linear.QuantizedLinear("native", segmented(k, [(fmt, t)]), None, None, bias, k, out_features=n)
 
 
+class QuantizedEmbedding(torch.nn.Module):
+    """An embedding table kept as a GGUF file's blocks in tiles: a lookup dequantizes the rows it needs
+    (kernels embedding_rows), the file's values exactly, and no float copy of the table exists. With tied
+    embeddings it shares the output head's tiles."""
+
+    def __init__(self, qweight: torch.Tensor, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        from sudu import kernels
+
+        self.register_buffer("qweight", qweight)
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self._ext = kernels.load()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self._ext.embedding_rows(self.qweight, input_ids.reshape(-1), self.embedding_dim)
+        return rows.reshape(*input_ids.shape, self.embedding_dim).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, quantized tiles"
+
+
+def _native_embedding(model: torch.nn.Module, ckpt, tied_head) -> bool:
+    """model.model.embed_tokens as a QuantizedEmbedding over the file's blocks (tied_head: the output head
+    layer built from the same tensor, whose tiles it then shares). False where the file's table has no
+    native format (it stays float)."""
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    qt = ckpt.quantized("model.embed_tokens.weight") if ckpt is not None else None
+    if (not isinstance(emb, torch.nn.Embedding) or qt is None or qt.ggml_type not in NATIVE_TYPES
+            or tuple(qt.shape) != tuple(emb.weight.shape) or emb.embedding_dim % 32):
+        return False
+    qweight = tied_head.qweight if tied_head is not None else native_layer(qt, None).qweight
+    model.model.embed_tokens = QuantizedEmbedding(qweight, emb.num_embeddings, emb.embedding_dim, emb.weight.dtype)
+    return True
+
+
 def quantize_native(model: torch.nn.Module, ckpt) -> torch.nn.Module:
     """Replace every nn.Linear whose weight the checkpoint stores in a NATIVE_TYPES block format with a layer
-    running those blocks, in place. Other quantized types (and float weights of a quantized file, and
-    layers built from a file's merged tensors, such as GGUF's stacked experts) become int8, and the log
-    says which; without the native kernels every layer keeps its float weights, the file's exact
-    dequantized values."""
+    running those blocks, in place, and the token embedding with a lookup from its blocks. Other quantized
+    types (and float weights of a quantized file, and layers built from a file's merged tensors, such as
+    GGUF's stacked experts) become int8, and the log says which; without the native kernels every layer
+    keeps its float weights, the file's exact dequantized values."""
     from torch import nn
 
     from sudu import kernels
@@ -262,19 +297,29 @@ def quantize_native(model: torch.nn.Module, ckpt) -> torch.nn.Module:
         return model
     counts: dict[str, int] = {}
     requantized: list[str] = []
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    emb_weight = emb.weight if isinstance(emb, nn.Embedding) else None
+    tied_head = None
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module.in_features % 32:
             continue
         qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
+        tied = emb_weight is not None and module.weight is emb_weight
+        if qt is None and tied:  # a head tied to the embedding: the file stores the table once
+            qt = ckpt.quantized("model.embed_tokens.weight") if ckpt is not None else None
         with torch.no_grad():
             if qt is not None and qt.ggml_type in NATIVE_TYPES and tuple(qt.shape) == tuple(module.weight.shape):
                 new = native_layer(qt, module.bias)
                 counts[qt.ggml_type] = counts.get(qt.ggml_type, 0) + 1
+                if tied:
+                    tied_head = new
             else:
                 new = linear.QuantizedLinear.from_float("int8", module.weight, module.bias)
                 requantized.append(f"{name} ({qt.ggml_type if qt is not None else 'float'})")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if _native_embedding(model, ckpt, tied_head):
+        counts["embedding"] = 1
     if requantized:
         linear.log.warning("quantization native: %d layers have no native block format and run as int8: %s",
                            len(requantized), ", ".join(requantized[:3]) + (" ..." if len(requantized) > 3 else ""))

@@ -18,6 +18,7 @@ port measured slower. Tests check every type against an independent per-block re
 """
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 import warnings
@@ -80,9 +81,17 @@ class GGUFFile:
     path: Path
     metadata: dict[str, Any]
     tensors: list[GGUFTensorInfo]
+    mapping: Any = None  # the file's mmap.mmap
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
+
+    def release_pages(self) -> None:
+        """Drop the map's resident pages (the file's bytes stay mapped and come back from the page cache
+        or disk if read again). Loading reads every block once to repack it; the map then held the whole
+        file in the resident set, though the engine no longer reads it."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 class _Cursor:
@@ -125,7 +134,9 @@ class _Cursor:
 def _parse(path: Path) -> GGUFFile:
     import gguf
 
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    raw = np.frombuffer(mapping, dtype=np.uint8)
     buf = memoryview(raw)
     cur = _Cursor(buf)
     if bytes(buf[:4]) != b"GGUF":
@@ -159,7 +170,7 @@ def _parse(path: Path) -> GGUFFile:
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         data = raw[start:start + n_bytes].reshape(rows, n_bytes // rows) if n_bytes else raw[start:start]
         tensors.append(GGUFTensorInfo(name, qtype.name, shape, np.asarray(data)))
-    return GGUFFile(path, meta, tensors)
+    return GGUFFile(path, meta, tensors, mapping)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

@@ -81,6 +81,11 @@ class Checkpoint:
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         return dict(self.tensors(dtype))
 
+    def release_pages(self) -> None:
+        """Drop the resident pages of the file's memory map once the network is built (GGUFFile.release_pages)."""
+        if self._reader is not None and hasattr(self._reader, "release_pages"):
+            self._reader.release_pages()
+
     def quantized(self, name: str) -> QuantizedTensor | None:
         """The original GGUF blocks behind a Hugging Face name; None for float tensors and safetensors."""
         qt = self._quantized.get(name)
