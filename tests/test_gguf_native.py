@@ -88,14 +88,6 @@ def test_each_format_matches_the_reference(ggml_type):
         assert torch.equal(outputs[("avx2", 64)], outputs[("native", 64)])
 
 
-def test_text_decoders_match_gguf_py():
-    """decode's codes and scales, through reference_dequantize, are gguf-py's values."""
-    for ggml_type in ("Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"):
-        qt = random_tensor(ggml_type, 3, 512, seed=2)
-        fields = gguf_native.decode(qt.blocks, ggml_type, 512)
-        assert torch.equal(gguf_native.reference_dequantize(fields, ggml_type), reference_weight(qt)), ggml_type
-
-
 def test_fused_layers_of_mixed_formats_equal_their_parts():
     """q/k/v of three formats (and gate/up of one) fused into one segmented call: the same outputs, bit for
     bit, as the separate layers, at 1 and 7 rows, through the kernels and dequantized."""
@@ -193,3 +185,25 @@ def test_embedding_rows_are_the_files_values(ggml_type):
     assert torch.equal(emb(ids), ref[ids])
     with pytest.raises(RuntimeError, match="out of range"):
         emb(torch.tensor([48]))
+
+
+def test_native_weights_are_not_dequantized_at_load_and_none_is_left_unwritten(tmp_path, monkeypatch):
+    """The loader hands the weights native layers replace as untouched placeholders (no float
+    dequantization); a placeholder that no native layer replaced would be garbage, so loading refuses."""
+    from sudu.engine.llm import LLM
+    from sudu.errors import SuduError
+    from sudu.weights import gguf as gguf_weights
+    from tests.test_gguf import write_tiny_gguf
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2")
+    dequantized = []
+    real = gguf_weights.dequantize
+    monkeypatch.setattr(gguf_weights, "dequantize", lambda qt: dequantized.append(qt.name) or real(qt))
+    LLM(str(path), progress=False, kv_cache_memory=1 << 20)
+    assert dequantized and not any(n.endswith(("v_proj.weight", "gate_proj.weight", "lm_head.weight",
+                                               "embed_tokens.weight")) for n in dequantized)
+    assert any(n.endswith("q_proj.weight") for n in dequantized)  # the file's float q: dequantized as before
+    monkeypatch.setattr(gguf_native, "quantize_native", lambda model, ckpt: model)
+    with pytest.raises(SuduError, match="placeholder"):
+        LLM(str(path), progress=False, kv_cache_memory=1 << 20)

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from sudu import kernels
 from sudu.config import EngineConfig, default_num_threads
 from sudu.engine.text_eval import forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
@@ -85,11 +86,28 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     dtype = resolve_dtype(config)
     device = resolve_device(config.device)
 
-    model = load_network(ckpt.config, ckpt.tensors(dtype), dtype)
     # off the CPU the weights run in dtype (placement.py): a quantized checkpoint's auto is "none" there
     fmt = resolve_format(config.quantization, ckpt) if device.type == "cpu" else "none"
+    placeholders, unwritten = frozenset(), []
+    if fmt == "native" and kernels.load() is not None:  # those weights come from the file's blocks, not floats
+        from sudu.layers.gguf_native import native_tensor_names
+
+        placeholders = native_tensor_names(ckpt, ckpt.config)
+
+    def tensors():
+        for name, t in ckpt.tensors(dtype, placeholders):
+            if name in placeholders:
+                unwritten.append(t)  # held until the check below, so no allocation can reuse its address
+            yield name, t
+
+    model = load_network(ckpt.config, tensors(), dtype)
     if fmt != "none":
         quantize_model(model, ckpt, fmt)
+    if unwritten:  # every placeholder must have been replaced: its memory was never written
+        kept = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+        if kept & {t.data_ptr() for t in unwritten}:
+            raise SuduError("internal error: a weight loaded as a placeholder was not replaced by its native layer")
+        unwritten.clear()
     for module in model.modules():
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()

@@ -319,7 +319,118 @@ void dequant_tile(const uint8_t* tp, int64_t K, float* out, int64_t ldo) {
   }
 }
 
+// One row's 32-block b of a GGUF tensor (its blocks `row`, K columns): its unsigned codes and, per format, the
+// scale fields the tile keeps (llama.cpp's block layouts).
+struct BlockCodes {
+  uint8_t q[32];
+};
+
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Q4_K/Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes s (llama.cpp get_scale_min_k4).
+inline void k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <int64_t F>
+void block_codes(const uint8_t* row, int64_t b, BlockCodes& out) {
+  if constexpr (F == Q5_0) {
+    const uint8_t* blk = row + 22 * b;
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      out.q[j] = (blk[6 + j] & 0x0F) | (((qh >> j) & 1) << 4);
+      out.q[j + 16] = (blk[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    }
+  } else if constexpr (F == Q4_K || F == Q5_K) {
+    const int64_t size = F == Q4_K ? 144 : 176;
+    const uint8_t* sb = row + size * (b / 8);
+    const int j = b % 8;
+    const uint8_t* qs = sb + (F == Q4_K ? 16 : 48) + 32 * (j / 2);
+    for (int l = 0; l < 32; ++l) {
+      uint8_t q = j % 2 ? qs[l] >> 4 : qs[l] & 0x0F;
+      if (F == Q5_K) q |= ((sb[16 + l] >> j) & 1) << 4;
+      out.q[l] = q;
+    }
+  } else {
+    const uint8_t* sb = row + 210 * (b / 8);
+    for (int i = 0; i < 32; ++i) {
+      const int e = 32 * (b % 8) + i, n = e / 128, g = (e % 128) / 32, l = e % 32;
+      const uint8_t ql = sb[64 * n + l + 32 * (g & 1)];
+      out.q[i] = (g < 2 ? ql & 0x0F : ql >> 4) | (((sb[128 + 32 * n + l] >> (2 * g)) & 3) << 4);
+    }
+  }
+}
+
+// Tiles [t0, t1) of a GGUF tensor (rows of the file's blocks, `row_bytes` each) in gguf_tiles' layout.
+template <int64_t F>
+void repack_tiles(const uint8_t* blocks, int64_t rows, int64_t row_bytes, int64_t K, uint8_t* out, int64_t t0,
+                  int64_t t1) {
+  constexpr int G = blocks_per_group(F), HB = high_bits(F);
+  constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
+  const int64_t nb = K / 32, ng = nb / G;
+  for (int64_t t = t0; t < t1; ++t) {
+    uint8_t* tp = out + t * ng * GB;
+    std::memset(tp, 0, ng * GB);
+    for (int l = 0; l < TILE_ROWS && TILE_ROWS * t + l < rows; ++l) {
+      const uint8_t* row = blocks + (TILE_ROWS * t + l) * row_bytes;
+      for (int64_t g = 0; g < ng; ++g) {
+        uint8_t* gp = tp + g * GB;
+        uint8_t* tail = gp + G * BB;
+        for (int j = 0; j < G; ++j) {
+          BlockCodes c;
+          block_codes<F>(row, g * G + j, c);
+          uint8_t* bp = gp + j * BB;
+          for (int ch = 0; ch < 4; ++ch)
+            for (int k = 0; k < 4; ++k) {
+              const uint8_t lo = c.q[8 * ch + k], hi = c.q[8 * ch + 4 + k];
+              bp[64 * ch + 4 * l + k] = (lo & 0x0F) | ((hi & 0x0F) << 4);
+              if (HB == 1) bp[256 + 4 * l + k] |= (((lo >> 4) & 1) << ch) | (((hi >> 4) & 1) << (4 + ch));
+              if (HB == 2) {
+                bp[256 + 4 * l + k] |= ((lo >> 4) & 3) << (2 * ch);
+                bp[320 + 4 * l + k] |= ((hi >> 4) & 3) << (2 * ch);
+              }
+            }
+        }
+        if constexpr (F == Q5_0) {
+          std::memcpy(tail + 2 * l, row + 22 * g, 2);
+        } else if constexpr (F == Q6_K) {
+          const uint8_t* sb = row + 210 * g;
+          for (int s = 0; s < 16; ++s) tail[16 * s + l] = sb[192 + s];
+          std::memcpy(tail + 256 + 2 * l, sb + 208, 2);
+        } else {
+          const uint8_t* sb = row + (F == Q4_K ? 144 : 176) * g;
+          for (int j = 0; j < 8; ++j) k_scale_min(sb + 4, j, tail + 16 * j + l, tail + 128 + 16 * j + l);
+          std::memcpy(tail + 256 + 2 * l, sb, 2);
+          std::memcpy(tail + 288 + 2 * l, sb + 2, 2);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void gguf_repack(int64_t fmt, const uint8_t* blocks, int64_t rows, int64_t row_bytes, int64_t K, uint8_t* out,
+                 int64_t t0, int64_t t1) {
+  switch (fmt) {
+    case Q5_0: return repack_tiles<Q5_0>(blocks, rows, row_bytes, K, out, t0, t1);
+    case Q4_K: return repack_tiles<Q4_K>(blocks, rows, row_bytes, K, out, t0, t1);
+    case Q5_K: return repack_tiles<Q5_K>(blocks, rows, row_bytes, K, out, t0, t1);
+    case Q6_K: return repack_tiles<Q6_K>(blocks, rows, row_bytes, K, out, t0, t1);
+    default: break;
+  }
+}
 
 int64_t gguf_tile_bytes(int64_t fmt, int64_t K) {
   switch (fmt) {

@@ -631,6 +631,22 @@ torch::Tensor embedding_rows(torch::Tensor q, torch::Tensor ids, int64_t K) {
   return out;
 }
 
+// A GGUF tensor's blocks (uint8 [rows, bytes per row], K columns) -> its tiles uint8 [tiles, bytes per tile] in
+// format fmt (Q5_0, Q4_K, Q5_K, Q6_K: gguf_tiles.cpp), the file's codes and scales moved, not changed.
+torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K) {
+  TORCH_CHECK(is_gguf_format(fmt), "repack_gguf: not a GGUF tile format");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kByte && blocks.is_contiguous(),
+              "blocks must be contiguous uint8 [rows, bytes per row]");
+  const int64_t per = fmt == Q5_0 ? 32 : 256, size = fmt == Q5_0 ? 22 : fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : 210;
+  TORCH_CHECK(K % per == 0 && blocks.size(1) == K / per * size, "repack_gguf: blocks do not match K and the format");
+  const int64_t rows = blocks.size(0), ntiles = (rows + TILE_ROWS - 1) / TILE_ROWS, tb = gguf_tile_bytes(fmt, K);
+  auto out = torch::empty({ntiles, tb}, torch::kByte);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, ntiles, 16, [&](int64_t t0, int64_t t1) { gguf_repack(fmt, src, rows, blocks.size(1), K, dst, t0, t1); });
+  return out;
+}
+
 // "avx512vnni" or "avx2": the dot-product path qlinear takes. set_isa("avx2") forces the AVX2 path (the
 // tests check both give identical results); set_isa("native") restores the CPU's best.
 std::string isa() { return use_vnni ? "avx512vnni" : "avx2"; }

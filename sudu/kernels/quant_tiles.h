@@ -50,6 +50,10 @@ int64_t gguf_tile_bytes(int64_t fmt, int64_t K);
 // both compute the same integers and the same float operations in the same order.
 void gguf_dot_tiles(int64_t fmt, bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, const float* bias,
                     float* y, int64_t ldy);
+// Tiles [t0, t1) of a GGUF tensor in format fmt, from the file's blocks (rows x row_bytes, K columns per row),
+// into out (whole tiles of gguf_tile_bytes each; rows past the last are zero).
+void gguf_repack(int64_t fmt, const uint8_t* blocks, int64_t rows, int64_t row_bytes, int64_t K, uint8_t* out,
+                 int64_t t0, int64_t t1);
 // One tile's 16 rows of K columns as float32 into out (row stride ldo), the values GGUF's reference
 // dequantization defines.
 void gguf_dequant_tile(int64_t fmt, const uint8_t* tp, int64_t K, float* out, int64_t ldo);

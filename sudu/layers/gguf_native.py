@@ -30,153 +30,27 @@ HEADER_INT64, MAX_SEGMENTS, ALIGN = 16, 4, 64
 TILE = linear.TILE_ROWS
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """[..., 2] bytes -> float16 [...]"""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0]
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[..., 16] bytes of a 32-block -> its 32 low-4-bit codes (elements 0..15 low nibbles, 16..31 high)."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 packed bytes [..., 12] -> (6-bit scales, 6-bit mins) [..., 8] (llama.cpp get_scale_min_k4)."""
-    s = scales.astype(np.uint8)
-    lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63
-    hi_sc = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
-    hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    return np.concatenate([lo_sc, hi_sc], axis=-1), np.concatenate([lo_m, hi_m], axis=-1)
-
-
-def decode(blocks: np.ndarray, ggml_type: str, k: int) -> dict:
-    """One tensor's blocks [rows, bytes per row] -> its unsigned codes uint8 [rows, k] and its scale fields
-    (the file's values, unchanged)."""
-    n = blocks.shape[0]
-    if ggml_type in ("Q4_0", "Q4_1", "Q5_0"):
-        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22}[ggml_type]
-        b = np.ascontiguousarray(blocks).reshape(n, k // 32, size)
-        d = _f16(b[..., 0:2])
-        codes = _nibbles(b[..., size - 16:])
-        out = {"d": d}
-        if ggml_type == "Q5_0":
-            high = np.unpackbits(np.ascontiguousarray(b[..., 2:6]), axis=-1, bitorder="little")
-            codes = codes | (high << 4)
-        if ggml_type == "Q4_1":
-            out["m"] = _f16(b[..., 2:4])
-        out["codes"] = codes.reshape(n, k)
-        return out
-    b = np.ascontiguousarray(blocks).reshape(n, k // 256, -1)
-    if ggml_type in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-        sc, m = _k_scales(b[..., 4:16])
-        qs = b[..., -128:].reshape(n, k // 256, 4, 32)  # 64-column chunk i: low nibbles, then high nibbles
-        codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)  # sub-block 2i, 2i+1
-        if ggml_type == "Q5_K":
-            qh = b[..., 16:48]  # element l of sub-block s: bit s of qh[l]
-            bits = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
-            codes = codes | (bits << 4)
-        return {"codes": codes.reshape(n, k), "sc": sc, "m": m, "d": d, "dmin": dmin}
-    if ggml_type == "Q6_K":
-        ql = b[..., 0:128].reshape(n, k // 256, 2, 64)
-        qh = b[..., 128:192].reshape(n, k // 256, 2, 32)
-        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
-        d = _f16(b[..., 208:210])
-        parts = [(ql[..., :32] & 0x0F) | ((qh & 3) << 4), (ql[..., 32:] & 0x0F) | (((qh >> 2) & 3) << 4),
-                 (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
-        codes = np.stack(parts, axis=3)  # [n, super-block, half, 4 x 32 columns]
-        return {"codes": codes.reshape(n, k), "sc": sc, "d": d}
-    raise ValueError(f"no native kernel for {ggml_type}")
-
-
-def reference_dequantize(fields: dict, ggml_type: str) -> torch.Tensor:
-    """The float32 weights decode's fields define, as GGUF's reference dequantization computes them (the
-    tests' ground truth beside gguf.quants)."""
-    codes = torch.from_numpy(fields["codes"].astype(np.float32))
-    n, k = codes.shape
-    d = torch.from_numpy(fields["d"].astype(np.float32))
-    if ggml_type in ("Q4_0", "Q5_0", "Q4_1"):
-        c = codes.reshape(n, k // 32, 32)
-        if ggml_type == "Q4_1":
-            return (d.unsqueeze(-1) * c + torch.from_numpy(fields["m"].astype(np.float32)).unsqueeze(-1)).reshape(n, k)
-        return ((c - (8 if ggml_type == "Q4_0" else 16)) * d.unsqueeze(-1)).reshape(n, k)
-    if ggml_type == "Q6_K":
-        sc = torch.from_numpy(fields["sc"].astype(np.float32))  # [n, sb, 16]
-        c = codes.reshape(n, k // 256, 16, 16)
-        return ((d.unsqueeze(-1) * sc).unsqueeze(-1) * (c - 32)).reshape(n, k)
-    sc = torch.from_numpy(fields["sc"].astype(np.float32))
-    m = torch.from_numpy(fields["m"].astype(np.float32))
-    dmin = torch.from_numpy(fields["dmin"].astype(np.float32))
-    c = codes.reshape(n, k // 256, 8, 32)
-    return ((d.unsqueeze(-1) * sc).unsqueeze(-1) * c - (dmin.unsqueeze(-1) * m).unsqueeze(-1)).reshape(n, k)
-
-
-def _rows_tiled(v: np.ndarray, tiles: int) -> np.ndarray:
-    """[rows, ...] padded with zero rows to tiles * 16 -> [tiles, 16, ...]"""
-    pad = tiles * TILE - v.shape[0]
-    if pad:
-        v = np.concatenate([v, np.zeros((pad, *v.shape[1:]), dtype=v.dtype)])
-    return v.reshape(tiles, TILE, *v.shape[1:])
-
-
-def _code_blocks(codes: np.ndarray, high_bits: int) -> np.ndarray:
-    """Codes uint8 [rows, k] -> per tile and 32-block the low-nibble bytes (256) and high-bit words (64 per bit)
-    of gguf_tiles.cpp: [tiles, k / 32, 256 + 64 * high_bits]."""
-    n, k = codes.shape
-    tiles, nb = -(-n // TILE), k // 32
-    c = _rows_tiled(codes, tiles).reshape(tiles, TILE, nb, 4, 2, 4)  # tile, lane, block, chunk, part, byte
-    low = c & 0x0F
-    nib = (low[:, :, :, :, 0, :] | (low[:, :, :, :, 1, :] << 4)).transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 256)
-    out = [nib]
-    if high_bits:
-        h = (c >> 4) & ((1 << high_bits) - 1)
-        shifts = (np.arange(4, dtype=np.uint8) * high_bits)[None, None, None, :, None]  # by chunk
-        words = [np.bitwise_or.reduce(h[:, :, :, :, part, :] << shifts, axis=3) for part in (0, 1)]
-        if high_bits == 1:  # one word: the low part's bits at c, the high part's at 4 + c
-            words = [words[0] | (words[1] << 4)]
-        out += [w.transpose(0, 2, 1, 3).reshape(tiles, nb, 64) for w in words]
-    return np.concatenate(out, axis=2)
-
-
-def _per_row_bytes(v: np.ndarray, tiles: int) -> np.ndarray:
-    """[rows, groups, *per] -> [tiles, groups, *per, 16] bytes (the 16 rows of a tile side by side)."""
-    t = _rows_tiled(np.ascontiguousarray(v), tiles)  # [tiles, 16, groups, *per]
-    t = np.moveaxis(t, 1, -1)
-    return np.ascontiguousarray(t).view(np.uint8).reshape(tiles, v.shape[1], -1)
-
-
 def tiles(qt) -> tuple[int, torch.Tensor]:
-    """A GGUF tensor of NATIVE_TYPES -> (format, its tiles uint8 [tiles, bytes per tile])."""
+    """A GGUF tensor of NATIVE_TYPES -> (format, its tiles uint8 [tiles, bytes per tile]). Needs the native
+    kernels (they repack the K-quants and Q5_0)."""
+    from sudu import kernels
+
     n, k = qt.shape
     blocks = qt.blocks if qt.row_permutation is None else qt.blocks[np.asarray(qt.row_permutation)]
+    ntiles = -(-n // TILE)
     if qt.ggml_type == "Q8_0":
         q, s = linear.q8_0_blocks(qt)
-        return INT8, linear.pack("int8", q, s, None, 32).reshape(-(-n // TILE), -1)
-    f = decode(blocks, qt.ggml_type, k)
-    ntiles = -(-n // TILE)
-    if qt.ggml_type in ("Q4_0", "Q4_1"):
-        d = torch.from_numpy(f["d"].copy())
-        m = torch.from_numpy(f["m"].copy()) if "m" in f else -8 * d
+        return INT8, linear.pack("int8", q, s, None, 32).reshape(ntiles, -1)
+    if qt.ggml_type in ("Q4_0", "Q4_1"):  # w = d q + m: sudu's int4 tile, m = -8 d for Q4_0 (exact in float16)
+        b = np.ascontiguousarray(blocks).reshape(n, k // 32, -1)
+        d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0])
+        m = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]) if qt.ggml_type == "Q4_1" else -8 * d
         if not torch.isfinite(m).all():  # -8 d past float16's range: no exact int4 tile
             raise ValueError("Q4_0 scale too large for the int4 tile")
-        c = f["codes"].reshape(n, k // 32, 2, 16)
-        packed = torch.from_numpy(c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n, k // 2)
+        packed = torch.from_numpy(np.ascontiguousarray(b[..., -16:])).reshape(n, k // 2)  # the int4 row layout
         return INT4, linear.pack("int4", packed, d, m, 32).reshape(ntiles, -1)
     fmt = {"Q5_0": Q5_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}[qt.ggml_type]
-    high = {Q5_0: 1, Q4_K: 0, Q5_K: 1, Q6_K: 2}[fmt]
-    blk = _code_blocks(f["codes"], high)  # [tiles, nb, 256 + 64 high]
-    if fmt == Q5_0:
-        out = np.concatenate([blk, _per_row_bytes(f["d"], ntiles)], axis=2)
-    else:
-        groups = k // 256
-        blk = blk.reshape(ntiles, groups, -1)
-        if fmt == Q6_K:
-            tail = [_per_row_bytes(f["sc"], ntiles), _per_row_bytes(f["d"], ntiles)]
-        else:
-            tail = [_per_row_bytes(f["sc"], ntiles), _per_row_bytes(f["m"], ntiles),
-                    _per_row_bytes(f["d"], ntiles), _per_row_bytes(f["dmin"], ntiles)]
-        out = np.concatenate([blk, *tail], axis=2)
-    return fmt, torch.from_numpy(np.ascontiguousarray(out).reshape(ntiles, -1))
+    return fmt, kernels.load().repack_gguf(torch.from_numpy(np.ascontiguousarray(blocks)), fmt, k)
 
 
 def segmented(k: int, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -279,6 +153,28 @@ def _native_embedding(model: torch.nn.Module, ckpt, tied_head) -> bool:
     qweight = tied_head.qweight if tied_head is not None else native_layer(qt, None).qweight
     model.model.embed_tokens = QuantizedEmbedding(qweight, emb.num_embeddings, emb.embedding_dim, emb.weight.dtype)
     return True
+
+
+def native_tensor_names(ckpt, model_config) -> frozenset[str]:
+    """The checkpoint tensors quantize_native will run from their blocks (every nn.Linear weight and the token
+    embedding whose file type has a kernel), found on a meta-device build of the network: the loader need
+    not dequantize them (Checkpoint.tensors placeholders)."""
+    from torch import nn
+
+    from sudu.models import build_model
+
+    if getattr(ckpt, "format", None) != "gguf":
+        return frozenset()
+    with torch.device("meta"):
+        model = build_model(model_config)
+    names = set()
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            qt = ckpt.quantized(f"{name}.weight")
+            width = m.in_features if isinstance(m, nn.Linear) else m.embedding_dim
+            if qt is not None and qt.ggml_type in NATIVE_TYPES and tuple(qt.shape) == tuple(m.weight.shape) and width % 32 == 0:
+                names.add(f"{name}.weight")
+    return frozenset(names)
 
 
 def quantize_native(model: torch.nn.Module, ckpt) -> torch.nn.Module:

@@ -43,10 +43,13 @@ class Checkpoint:
         m = _LAYER_INDEX.match(name)
         return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype = torch.float32, placeholders: frozenset[str] = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) one at a time, dequantized as they are reached, so peak memory is
-        the model in `dtype` plus one float32 tensor."""
-        return self._tensors(dtype, lambda name: not self._beyond_decoder(name), "loading")
+        the model in `dtype` plus one float32 tensor. Names in `placeholders` come as uninitialised tensors
+        of their shape (no page touched): weights the caller replaces from the file's blocks, which
+        dequantizing would only waste time on."""
+        return self._tensors(dtype, lambda name: not self._beyond_decoder(name), "loading", placeholders)
 
     def mtp_tensors(self, dtype: torch.dtype = torch.float32, index: int = 0) -> dict[str, torch.Tensor]:
         """The index-th multi-token-prediction layer's tensors, named as inside the layer (enorm.weight,
@@ -56,7 +59,8 @@ class Checkpoint:
             return {}
         return {name[len(prefix):]: t for name, t in self._tensors(dtype, lambda n: n.startswith(prefix), "loading MTP")}
 
-    def _tensors(self, dtype: torch.dtype, keep, what: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(self, dtype: torch.dtype, keep, what: str, placeholders: frozenset[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
         if self.format != "gguf":
             for name, tensor in st_weights.iter_tensors(self.path, dtype, self.config.architecture, keep):
                 yield name, tensor
@@ -66,6 +70,10 @@ class Checkpoint:
         kv_b_parts: dict[str, dict[str, torch.Tensor]] = {}  # MLA files: k_b and v_b wait for each other
         with byte_progress(self.progress, f"{what} {self.path.name}", total) as advance:
             for name, qt in chosen.items():
+                if name in placeholders:
+                    advance(int(qt.blocks.nbytes))
+                    yield name, torch.empty(qt.shape, dtype=dtype)
+                    continue
                 tensor = gguf_weights.dequantize(qt).to(dtype)
                 advance(int(qt.blocks.nbytes))
                 if name.endswith(("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):
