@@ -196,7 +196,12 @@ class LLMEngine:
             if rid in self.requests:
                 touched[rid] = self.requests[rid]
         self._failed_this_step.clear()
-        return [self._make_output(state) for state in touched.values()]
+        outputs = [self._make_output(state) for state in touched.values()]
+        if batch is not None and not self.requests:
+            # idle after work: the heap pages the burst's temporaries (prefill activations, dequantized
+            # weight slices) freed go back to the system instead of staying resident until the next one
+            release_freed_memory()
+        return outputs
 
     def _schedule(self) -> _Batch | None:
         start = time.perf_counter()
