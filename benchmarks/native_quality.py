@@ -72,10 +72,14 @@ def logits_of(llm, ids: list[int]) -> torch.Tensor:
 
 
 def chunk_perplexity(llm, ids: list[int], ctx: int) -> tuple[float, int]:
-    """llama-perplexity's figure: chunks of ctx tokens, positions ctx/2 .. ctx-2 predicting the next token."""
+    """llama-perplexity's figure: chunks of ctx tokens, each opening with BOS where the model adds one,
+    positions ctx/2 .. ctx-2 predicting the next token."""
     nll, count = 0.0, 0
+    tok = llm.tokenizer
     for c in range(len(ids) // ctx):
         chunk = ids[c * ctx:(c + 1) * ctx]
+        if tok.add_bos and tok.bos_token_id is not None:
+            chunk = [tok.bos_token_id] + chunk[1:]
         logp = torch.log_softmax(logits_of(llm, chunk).double(), dim=-1)
         first = ctx // 2
         targets = torch.tensor(chunk[first + 1:])

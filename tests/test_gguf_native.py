@@ -114,6 +114,8 @@ def test_bad_segmented_tensors_are_refused():
         ext.qlinear(torch.randn(1, 64), broken, None)
     with pytest.raises(RuntimeError, match="does not match"):
         ext.qlinear(torch.randn(1, 96), layer.qweight, None)
+    with pytest.raises(RuntimeError, match="do not match"):  # blocks of another width or type
+        ext.repack_gguf(torch.zeros(16, 22 * 3, dtype=torch.uint8), gguf_native.Q4_K, 96)
 
 
 def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):

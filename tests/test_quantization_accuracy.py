@@ -96,7 +96,9 @@ def test_float32_reference_agrees_with_itself(reference):
     assert self_agreement >= 0.99
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "auto"])  # auto: the default (int4, 8-bit output head)
+# auto: the default (native: the file's own blocks). int4's figures, which miss the criterion, are printed by
+# benchmarks/native_quality.py rather than measured here at 16 s a run.
+@pytest.mark.parametrize("fmt", ["int8", "auto"])
 def test_quantized_format_accuracy(reference, fmt):
     sequences, text_ids, ref_ppl, _ = reference
     llm = make_llm(fmt)
@@ -106,9 +108,8 @@ def test_quantized_format_accuracy(reference, fmt):
     meets = agree >= MIN_AGREEMENT and rise <= MAX_PPL_RISE
     print(f"\n{fmt}: greedy agreement {agree:.1%}, perplexity {ppl:.3f} ({rise:+.2%} vs float32) -> "
           f"{'meets' if meets else 'misses'} the default criterion")
-    if fmt in ("auto", "int8"):
-        # the default must meet the criterion; int8 is the conservative alternative
-        assert agree >= MIN_AGREEMENT and rise <= MAX_PPL_RISE
+    # the default must meet the criterion; int8 is the conservative alternative
+    assert agree >= MIN_AGREEMENT and rise <= MAX_PPL_RISE
 
 
 @pytest.mark.parametrize("weights", ["none", "auto"])

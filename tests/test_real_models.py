@@ -3,6 +3,8 @@ dequantized weights must match. Slow (transformers converts each GGUF), so marke
 the cache yet is pulled from the offline catalog on first use."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -134,7 +136,10 @@ def test_gemma_config_matches_transformers():
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings
 
 
-@pytest.mark.parametrize("name", [QWEN, GEMMA])
+# Gemma's weights are checked against transformers through its forward pass (test_real_forward.py) and its
+# conventions (1 + w norms, the tied table) on a tiny GGUF (test_gguf.py); its 72 s state-dict comparison
+# here is opt-in (SUDU_TEST_ALL_REAL=1), to keep the suite in CI's time budget.
+@pytest.mark.parametrize("name", [QWEN] + ([GEMMA] if os.environ.get("SUDU_TEST_ALL_REAL") else []))
 def test_state_dict_matches_transformers(name):
     path = _model_file(name)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

@@ -164,8 +164,8 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
     return new.eval().requires_grad_(False)
 
 
-# A quantized draft model's output head runs int4 whatever the target's head runs (auto gives the target an
-# int8 head for its accuracy; the draft only proposes, so its head's precision moves acceptance, never
+# A quantized draft model's output head runs int4 whatever the target's head runs (the target's is its file's
+# 8-bit or 6-bit head under native, int8 under int8; the draft only proposes, so its head's precision moves acceptance, never
 # output). The int4 head drafted faster at about the same acceptance (docs/benchmarks.md, "the draft
 # model's head in int4").
 DRAFT_HEAD_FORMAT = "int4"
