@@ -149,14 +149,38 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
   }
 }
 
+// AVX2: chunk c (columns 8c..8c+7) of block bp's 8-row half h: each lane's codes for its low 4 columns (lo)
+// and its high 4 (hi), low nibbles with their high bits (W0, W1: the half's high-bit words, high_words256).
+template <int64_t F>
+inline void high_words256(const uint8_t* bp, int h, __m256i& W0, __m256i& W1) {
+  W0 = W1 = _mm256_setzero_si256();
+  if constexpr (high_bits(F) >= 1) W0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 256 + 32 * h));
+  if constexpr (high_bits(F) == 2) W1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 320 + 32 * h));
+}
+template <int64_t F, int c>
+inline void codes256(const uint8_t* bp, int h, __m256i W0, __m256i W1, __m256i& lo, __m256i& hi) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h));
+  lo = _mm256_and_si256(raw, mask);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  if constexpr (high_bits(F) == 1) {
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - c>(W0), bit4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<-c>(W0), bit4));
+  } else if constexpr (high_bits(F) == 2) {
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - 2 * c>(W0), bits45));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<4 - 2 * c>(W1), bits45));
+  }
+}
+
 // The same on AVX2: each tile as two 8-lane halves, the same integers and float operations per lane.
 template <int64_t F, int R>
 void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
-  constexpr int G = blocks_per_group(F), HB = high_bits(F);
+  constexpr int G = blocks_per_group(F);
   constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
   const int64_t nb = a.nb, ng = nb / G;
-  const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30),
-                ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   auto dot4 = [&](__m256i q, int x4) { return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)), ones); };
   for (int64_t t = 0; t < count; ++t) {
     const uint8_t* tp = p + t * ng * GB;
@@ -177,20 +201,12 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
           prefetch_ahead(bp, BB);
           __m256i S[R], S2[R];
           for (int i = 0; i < R; ++i) S[i] = S2[i] = _mm256_setzero_si256();
-          __m256i W0 = _mm256_setzero_si256(), W1 = _mm256_setzero_si256();
-          if constexpr (HB >= 1) W0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 256 + 32 * h));
-          if constexpr (HB == 2) W1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 320 + 32 * h));
+          __m256i W0, W1;
+          high_words256<F>(bp, h, W0, W1);
           auto chunk = [&](auto cc) {
             constexpr int c = decltype(cc)::value;
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h));
-            __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-            if constexpr (HB == 1) {
-              lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - c>(W0), bit4));
-              hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<-c>(W0), bit4));
-            } else if constexpr (HB == 2) {
-              lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - 2 * c>(W0), bits45));
-              hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<4 - 2 * c>(W1), bits45));
-            }
+            __m256i lo, hi;
+            codes256<F, c>(bp, h, W0, W1, lo, hi);
             __m256i* T = (F == Q6_K && c >= 2) ? S2 : S;
             for (int i = 0; i < R; ++i)
               T[i] = _mm256_add_epi32(T[i], _mm256_add_epi32(dot4(lo, a.x4(i, 32 * b + 8 * c)), dot4(hi, a.x4(i, 32 * b + 8 * c + 4))));
@@ -250,11 +266,10 @@ void dot_rows(bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, 
 // (d * sc) * (q - 32).
 template <int64_t F>
 void dequant_tile(const uint8_t* tp, int64_t K, float* out, int64_t ldo) {
-  constexpr int G = blocks_per_group(F), HB = high_bits(F);
+  constexpr int G = blocks_per_group(F);
   constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
   constexpr float OFF = F == Q5_0 ? 16.f : F == Q6_K ? 32.f : 0.f;
   const int64_t ng = K / 32 / G;
-  const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
   static const int rows_of[2][4] = {{0, 1, 4, 5}, {2, 3, 6, 7}};
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* gp = tp + g * GB;
@@ -282,20 +297,12 @@ void dequant_tile(const uint8_t* tp, int64_t K, float* out, int64_t ldo) {
             B[r] = _cvtsh_ss(dminh[row]) * static_cast<float>(tail[128 + 16 * j + row]);
           }
         }
-        __m256i W0 = _mm256_setzero_si256(), W1 = _mm256_setzero_si256();
-        if (HB >= 1) W0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 256 + 32 * h));
-        if (HB == 2) W1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 320 + 32 * h));
+        __m256i W0, W1;
+        high_words256<F>(bp, h, W0, W1);
         auto chunk = [&](auto cc) {
           constexpr int c = decltype(cc)::value;
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h));
-          __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-          if constexpr (HB == 1) {
-            lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - c>(W0), bit4));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<-c>(W0), bit4));
-          } else if constexpr (HB == 2) {
-            lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - 2 * c>(W0), bits45));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(shift256<4 - 2 * c>(W1), bits45));
-          }
+          __m256i lo, hi;
+          codes256<F, c>(bp, h, W0, W1, lo, hi);
           const __m256i u[2] = {_mm256_unpacklo_epi32(lo, hi), _mm256_unpackhi_epi32(lo, hi)};
           for (int k = 0; k < 2; ++k) {
             const __m128i halves[2] = {_mm256_castsi256_si128(u[k]), _mm256_extracti128_si256(u[k], 1)};
