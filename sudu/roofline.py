@@ -69,7 +69,7 @@ def parameter_counts(model_config) -> tuple[int, int, int]:
 
 def native_linear_bytes(ckpt) -> float:
     """Bytes of the linear layers (incl. lm_head) as `native` runs them: the file's own bytes per tensor."""
-    from sudu.layers.gguf_native import NATIVE_TYPES
+    from sudu.layers.gguf_native import native_blocks
     from sudu.models import build_model
 
     with torch.device("meta"):
@@ -77,9 +77,8 @@ def native_linear_bytes(ckpt) -> float:
     total = 0.0
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            qt = ckpt.quantized(f"{name}.weight")
-            native = qt is not None and qt.ggml_type in NATIVE_TYPES and tuple(qt.shape) == tuple(m.weight.shape)
-            total += qt.blocks.nbytes if native else m.weight.numel() * FORMATS["int8"][1]
+            qt = native_blocks(ckpt, name, m)
+            total += qt.blocks.nbytes if qt is not None else m.weight.numel() * FORMATS["int8"][1]
     return total
 
 

@@ -9,7 +9,6 @@ import logging
 
 import torch
 
-from sudu import kernels
 from sudu.config import EngineConfig, default_num_threads
 from sudu.engine.text_eval import forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
@@ -89,7 +88,7 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     # off the CPU the weights run in dtype (placement.py): a quantized checkpoint's auto is "none" there
     fmt = resolve_format(config.quantization, ckpt) if device.type == "cpu" else "none"
     placeholders, unwritten = frozenset(), []
-    if fmt == "native" and kernels.load() is not None:  # those weights come from the file's blocks, not floats
+    if fmt == "native":  # those weights come from the file's blocks, not floats
         from sudu.layers.gguf_native import native_tensor_names
 
         placeholders = native_tensor_names(ckpt, ckpt.config)

@@ -9,6 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [16 * tiles, K], tiles [t0, t1)",
         py::arg("q"), py::arg("bf16") = false, py::arg("t0") = 0, py::arg("t1") = -1);
   m.def("embedding_rows", &embedding_rows, "rows ids of the weights (K columns) as float32 [n, K]");
+  m.def("tile_bytes", &tile_bytes, "bytes of one tile (16 rows) of K columns in a weight format");
   m.def("repack_gguf", &repack_gguf, "a GGUF tensor's blocks [rows, bytes] -> its tiles in a GGUF tile format");
   m.def("isa", &isa, "the dot-product instruction set qlinear uses");
   m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");

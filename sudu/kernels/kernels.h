@@ -20,6 +20,7 @@ struct QProduct {
 void qlinear_products(std::vector<QProduct>& products);
 torch::Tensor dequantize(torch::Tensor q, bool bf16, int64_t t0, int64_t t1);
 torch::Tensor embedding_rows(torch::Tensor q, torch::Tensor ids, int64_t K);
+int64_t tile_bytes(int64_t fmt, int64_t K);
 torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K);
 std::string isa();
 std::string set_isa(const std::string& name);

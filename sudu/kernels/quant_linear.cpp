@@ -631,6 +631,9 @@ torch::Tensor embedding_rows(torch::Tensor q, torch::Tensor ids, int64_t K) {
   return out;
 }
 
+// Bytes of one tile (16 rows) of K columns in format fmt (a segmented tensor's segments: layers/gguf_native.py).
+int64_t tile_bytes(int64_t fmt, int64_t K) { return tile_bytes_for(fmt, K); }
+
 // A GGUF tensor's blocks (uint8 [rows, bytes per row], K columns) -> its tiles uint8 [tiles, bytes per tile] in
 // format fmt (Q5_0, Q4_K, Q5_K, Q6_K: gguf_tiles.cpp), the file's codes and scales moved, not changed.
 torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K) {

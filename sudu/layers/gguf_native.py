@@ -7,7 +7,7 @@ bit for bit; only their order changes, into tiles of 16 rows (kernels/gguf_tiles
   Q5_0, Q4_K, Q5_K, Q6_K -> their own tiles, the same bits per weight (Q4_K/Q5_K: 4 bytes more per row
                  and 256 weights, their 6-bit scales unpacked to bytes).
 No weight is re-quantized and no float copy is kept. Types without a kernel (Q2_K, Q3_K, Q5_1, Q8_K) are
-re-quantized to int8 by the caller (quantize_model), which says so.
+re-quantized to int8 by quantize_native, which says so.
 
 Several such tensors can share one weight tensor, a *segmented* one (kernels/quant_linear.cpp weights_of):
 a header of 16 int64 (magic, K, number of segments, then per segment its format, tiles and byte offset)
@@ -23,7 +23,6 @@ from sudu.layers import linear
 
 # kernels/quant_tiles.h Format
 INT8, INT4, Q5_0, Q4_K, Q5_K, Q6_K = range(6)
-FORMAT_NAMES = {INT8: "Q8_0", INT4: "Q4_0", Q5_0: "Q5_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 SEGMENTED_MAGIC = 0x3130515544555353
 HEADER_INT64, MAX_SEGMENTS, ALIGN = 16, 4, 64
@@ -36,11 +35,11 @@ def tiles(qt) -> tuple[int, torch.Tensor]:
     from sudu import kernels
 
     n, k = qt.shape
-    blocks = qt.blocks if qt.row_permutation is None else qt.blocks[np.asarray(qt.row_permutation)]
     ntiles = -(-n // TILE)
-    if qt.ggml_type == "Q8_0":
+    if qt.ggml_type == "Q8_0":  # q8_0_blocks permutes the rows itself
         q, s = linear.q8_0_blocks(qt)
         return INT8, linear.pack("int8", q, s, None, 32).reshape(ntiles, -1)
+    blocks = qt.blocks if qt.row_permutation is None else qt.blocks[np.asarray(qt.row_permutation)]
     if qt.ggml_type in ("Q4_0", "Q4_1"):  # w = d q + m: sudu's int4 tile, m = -8 d for Q4_0 (exact in float16)
         b = np.ascontiguousarray(blocks).reshape(n, k // 32, -1)
         d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0])
@@ -83,23 +82,14 @@ def segmented(k: int, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
 def segments(q: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """segmented's inverse: [(format, tiles [n, bytes per tile])] (views into q)."""
     header = q[:8 * HEADER_INT64].numpy().view(np.int64)
+    from sudu import kernels
+
     out = []
     for i in range(int(header[2])):
         fmt, n, at = (int(v) for v in header[3 + 3 * i:6 + 3 * i])
-        size = n * tile_bytes(fmt, int(header[1]))
+        size = n * kernels.load().tile_bytes(fmt, int(header[1]))
         out.append((fmt, q[at:at + size].view(n, -1)))
     return out
-
-
-def tile_bytes(fmt: int, k: int) -> int:
-    """Bytes of one tile (16 rows) of k columns."""
-    nb = k // 32
-    return {INT8: (nb + 1) // 2 * 1088, INT4: nb * 320, Q5_0: nb * 352, Q4_K: k // 256 * 2368,
-            Q5_K: k // 256 * 2880, Q6_K: k // 256 * 3360}[fmt]
-
-
-def segmented_k(q: torch.Tensor) -> int:
-    return int(q[:8 * HEADER_INT64].numpy().view(np.int64)[1])
 
 
 def layer_segments(layer) -> list[tuple[int, torch.Tensor]]:
@@ -141,15 +131,25 @@ class QuantizedEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, quantized tiles"
 
 
+def native_blocks(ckpt, name: str, module: torch.nn.Module):
+    """The GGUF tensor `name`.weight whose blocks a native layer runs in place of module (an nn.Linear or
+    nn.Embedding of that weight's shape), or None where it has none: not in the file as a NATIVE_TYPES
+    tensor, another shape (a file's merged tensors), or rows not a whole number of 32-blocks."""
+    qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
+    width = module.in_features if isinstance(module, torch.nn.Linear) else module.embedding_dim
+    if qt is None or qt.ggml_type not in NATIVE_TYPES or tuple(qt.shape) != tuple(module.weight.shape) or width % 32:
+        return None
+    return qt
+
+
 def _native_embedding(model: torch.nn.Module, ckpt, tied_head) -> bool:
     """model.model.embed_tokens as a QuantizedEmbedding over the file's blocks (tied_head: the output head
     layer built from the same tensor, whose tiles it then shares). False where the file's table has no
     native format (it stays float)."""
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
-    qt = ckpt.quantized("model.embed_tokens.weight") if ckpt is not None else None
-    if (not isinstance(emb, torch.nn.Embedding) or qt is None or qt.ggml_type not in NATIVE_TYPES
-            or tuple(qt.shape) != tuple(emb.weight.shape) or emb.embedding_dim % 32):
+    if not isinstance(emb, torch.nn.Embedding) or native_blocks(ckpt, "model.embed_tokens", emb) is None:
         return False
+    qt = ckpt.quantized("model.embed_tokens.weight")
     qweight = tied_head.qweight if tied_head is not None else native_layer(qt, None).qweight
     model.model.embed_tokens = QuantizedEmbedding(qweight, emb.num_embeddings, emb.embedding_dim, emb.weight.dtype)
     return True
@@ -158,23 +158,19 @@ def _native_embedding(model: torch.nn.Module, ckpt, tied_head) -> bool:
 def native_tensor_names(ckpt, model_config) -> frozenset[str]:
     """The checkpoint tensors quantize_native will run from their blocks (every nn.Linear weight and the token
     embedding whose file type has a kernel), found on a meta-device build of the network: the loader need
-    not dequantize them (Checkpoint.tensors placeholders)."""
+    not dequantize them (Checkpoint.tensors placeholders). Empty without the native kernels (quantize_native
+    then keeps float weights)."""
     from torch import nn
 
+    from sudu import kernels
     from sudu.models import build_model
 
-    if getattr(ckpt, "format", None) != "gguf":
+    if getattr(ckpt, "format", None) != "gguf" or kernels.load() is None:
         return frozenset()
     with torch.device("meta"):
         model = build_model(model_config)
-    names = set()
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            qt = ckpt.quantized(f"{name}.weight")
-            width = m.in_features if isinstance(m, nn.Linear) else m.embedding_dim
-            if qt is not None and qt.ggml_type in NATIVE_TYPES and tuple(qt.shape) == tuple(m.weight.shape) and width % 32 == 0:
-                names.add(f"{name}.weight")
-    return frozenset(names)
+    return frozenset(f"{name}.weight" for name, m in model.named_modules()
+                     if isinstance(m, (nn.Linear, nn.Embedding)) and native_blocks(ckpt, name, m) is not None)
 
 
 def quantize_native(model: torch.nn.Module, ckpt) -> torch.nn.Module:
@@ -201,12 +197,12 @@ def quantize_native(model: torch.nn.Module, ckpt) -> torch.nn.Module:
             continue
         qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
         tied = emb_weight is not None and module.weight is emb_weight
-        if qt is None and tied:  # a head tied to the embedding: the file stores the table once
-            qt = ckpt.quantized("model.embed_tokens.weight") if ckpt is not None else None
+        # a head tied to the embedding runs the table's blocks: the file stores the table once
+        native = native_blocks(ckpt, "model.embed_tokens" if qt is None and tied else name, module)
         with torch.no_grad():
-            if qt is not None and qt.ggml_type in NATIVE_TYPES and tuple(qt.shape) == tuple(module.weight.shape):
-                new = native_layer(qt, module.bias)
-                counts[qt.ggml_type] = counts.get(qt.ggml_type, 0) + 1
+            if native is not None:
+                new = native_layer(native, module.bias)
+                counts[native.ggml_type] = counts.get(native.ggml_type, 0) + 1
                 if tied:
                     tied_head = new
             else:

@@ -351,10 +351,9 @@ def resolve_format(requested: str, ckpt) -> str:
     return "none"
 
 
-def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE,
-                   overrides: dict[str, str] | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
     """Replace every nn.Linear whose input width is a multiple of the group size with a QuantizedLinear,
-    in place, in format `fmt` or, for the modules named in `overrides`, the format given there. Q8_0
+    in place, in format `fmt` (native: layers/gguf_native.py quantize_native). Q8_0
     tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is quantized from
     the loaded float weights. Layers that do not fit the group size stay float."""
     if fmt == "native":
@@ -363,22 +362,20 @@ def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZ
         return quantize_native(model, ckpt)
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; expected none, native, {', '.join(FORMATS)}")
-    overrides = overrides or {}
     replaced, kept = 0, []
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        fmt_here = overrides.get(name, fmt)
         if module.in_features % group_size != 0 or group_size % 32 != 0:
             kept.append(name)
             continue
         qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
         with torch.no_grad():
-            if fmt_here == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
+            if fmt == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
                 q, s = q8_0_blocks(qt)
                 new = QuantizedLinear("int8", q, s, None, module.bias, module.in_features, group_size)
             else:
-                new = QuantizedLinear.from_float(fmt_here, module.weight, module.bias, group_size)
+                new = QuantizedLinear.from_float(fmt, module.weight, module.bias, group_size)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         replaced += 1

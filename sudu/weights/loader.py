@@ -91,7 +91,7 @@ class Checkpoint:
 
     def release_pages(self) -> None:
         """Drop the resident pages of the file's memory map once the network is built (GGUFFile.release_pages)."""
-        if self._reader is not None and hasattr(self._reader, "release_pages"):
+        if self._reader is not None:
             self._reader.release_pages()
 
     def quantized(self, name: str) -> QuantizedTensor | None:
