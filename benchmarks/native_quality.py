@@ -10,9 +10,10 @@ Two measurements per format:
     Python install and in none of sudu's tests), computed as llama-perplexity computes it: the text cut into
     chunks of --ctx tokens, each run from scratch, the second half of each chunk scored. With --llama-perplexity
     the binary runs on the same file, text and thread count, and its figure is printed beside sudu's.
-Every row goes through the decode kernels (int8-rounded activations), as decoding computes it.
+Every row goes through the decode kernels (int8-rounded activations), as decoding computes it. The weight
+formats run over a float32 KV pool; --kv-formats adds rows of native weights over other KV pools.
 
-    python -m benchmarks.native_quality [--model NAME] [--llama-perplexity PATH]
+    python -m benchmarks.native_quality [--model NAME] [--llama-perplexity PATH] [--kv-formats float16,int8,auto]
 """
 from __future__ import annotations
 
@@ -58,10 +59,11 @@ def held_text(max_chars: int = 45_000) -> str:
     return (license_text + "\n\n" + docs)[:max_chars]
 
 
-def make_llm(model: str, fmt: str, threads: int):
+def make_llm(model: str, fmt: str, threads: int, kv: str = "float32"):
     from sudu.engine.llm import LLM
 
-    return LLM(model, progress=False, quantization=fmt, kv_cache_memory=256 << 20, num_threads=threads)
+    return LLM(model, progress=False, quantization=fmt, kv_cache_memory=256 << 20, num_threads=threads,
+               kv_cache_dtype=kv)
 
 
 def logits_of(llm, ids: list[int]) -> torch.Tensor:
@@ -120,7 +122,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--formats", default="native,int8,int4")
+    parser.add_argument("--formats", default="native,int8,int4", help="weight formats (over a float32 KV pool)")
+    parser.add_argument("--kv-formats", default="", help="KV pool formats to measure with native weights, e.g. "
+                        "float16,bfloat16,int8,auto")
     parser.add_argument("--tokens", type=int, default=128, help="greedy tokens per prompt")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
@@ -140,12 +144,16 @@ def main() -> None:
     print(f"  done in {time.time() - t0:.0f} s; held text {len(ids)} tokens", flush=True)
     del ref
     gc.collect()
-    for fmt in args.formats.split(","):
+    runs = [(fmt, fmt, "float32") for fmt in args.formats.split(",") if fmt]
+    runs += [(f"native, KV {kv}", "native", kv) for kv in args.kv_formats.split(",") if kv]
+    for name, fmt, kv in runs:
         t0 = time.time()
-        print(f"{fmt} ...", flush=True)
-        llm = make_llm(args.model, fmt, args.threads)
+        print(f"{name} ...", flush=True)
+        llm = make_llm(args.model, fmt, args.threads, kv)
+        if kv == "auto":
+            name = f"native, KV auto = {llm.engine.config.kv_cache_dtype}"
         agree, n = agreement(llm, sequences)
-        rows[fmt] = (agree, n, *chunk_perplexity(llm, ids, args.ctx))
+        rows[name] = (agree, n, *chunk_perplexity(llm, ids, args.ctx))
         print(f"  done in {time.time() - t0:.0f} s", flush=True)
         del llm
         gc.collect()

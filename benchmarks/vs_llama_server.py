@@ -82,16 +82,16 @@ def rss_mb(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-def kv_memory_for(model: str, tokens: int) -> int:
-    """Bytes of sudu's default KV pool (engine defaults: its dtype and KV dtype) holding `tokens` tokens."""
-    from sudu.config import EngineConfig
-    from sudu.engine.model_runner import kv_bytes_per_token
-    from sudu.engine.placement import resolve_dtype
-    from sudu.weights.loader import load_checkpoint
+def kv_memory_for(model: str, tokens: int, kv_cache_dtype: str) -> tuple[int, str]:
+    """(bytes of sudu's KV pool holding `tokens` tokens, its format): the format `kv_cache_dtype` resolves to
+    (auto: what the engine's load-time check picks, engine/kv_choice.py), found by loading the engine here
+    once; the server is then given that format explicitly."""
+    from sudu.engine.llm import LLM
 
-    cfg = EngineConfig(model=model)
-    return tokens * kv_bytes_per_token(load_checkpoint(model, progress=False).config, resolve_dtype(cfg),
-                                       cfg.kv_cache_dtype)
+    llm = LLM(model, progress=False, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=64 << 20)
+    result = tokens * llm.engine.runner.kv_bytes_per_token(), llm.engine.config.kv_cache_dtype
+    llm.close()
+    return result
 
 
 def fmt_ratio(row: dict | None) -> str:
@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--n-single", type=int, default=10, help="requests of single and of throughput c=1")
     parser.add_argument("--out", default="bench-results/vs-llama-server")
     parser.add_argument("--llama-dir", default=llama_server.DEFAULT_DIR)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="sudu's KV pool format (auto: the engine's choice)")
     parser.add_argument("--peer-first", action="store_true",
                         help="measure llama-server first (run both orders: the VM's speed drifts over minutes)")
     args = parser.parse_args()
@@ -146,10 +147,13 @@ def main() -> None:
     gguf = str(resolve_model_path(args.model))
     os.makedirs(args.out, exist_ok=True)
     results, memory = {}, {}
+    kv_bytes, kv_dtype = kv_memory_for(args.model, SLOTS * 1024, args.kv_cache_dtype)
+    print(f"sudu's KV pool: {kv_dtype} ({args.kv_cache_dtype}), {kv_bytes / 2**20:.0f} MiB for {SLOTS} x 1,024 tokens; "
+          "llama-server's: float16 (its default)", flush=True)
     sides = {
         "sudu": lambda port: [sys.executable, "-m", "sudu.cli", "serve", "--model", args.model, "--port", str(port),
                               "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS),
-                              "--kv-cache-memory", str(kv_memory_for(args.model, SLOTS * 1024))],
+                              "--kv-cache-memory", str(kv_bytes), "--kv-cache-dtype", kv_dtype],
         "llama-server": lambda port: [binary, "-m", gguf, "--alias", args.model, "--port", str(port), "--host",
                                       "127.0.0.1", "-t", str(args.threads), "-np", str(SLOTS), "-c",
                                       # llama-server splits -c over its slots: 1,024 tokens each holds the cache

@@ -25,7 +25,11 @@ class EngineConfig:
     # GGUF file's own blocks (layers/gguf_native.py); auto: native for checkpoints that come quantized (the
     # catalog's GGUFs), none (float) for float checkpoints
     quantization: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 (static per-channel scales, calibrated at load; layers/kv_cache.py)
+    # KV pool format: auto | float32 | float16 | bfloat16 | int8 (static per-channel scales calibrated at load:
+    # layers/kv_cache.py). auto, on the CPU: int8 where a load-time check finds it changes no answers, else
+    # float16 (bfloat16 if the model's K/V values are too large for it); elsewhere the compute dtype
+    # (engine/kv_choice.py)
+    kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     # models with sliding-window layers (gemma3): "ring" keeps only each sequence's window for those
     # layers (far less memory; no prefix cache for such models), "full" keeps every position (prefix cache on)
@@ -76,8 +80,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be auto, native, none, int8 or int4, got {self.quantization!r}")
         if self.sliding_window_kv not in ("ring", "full"):
             raise ValueError(f"sliding_window_kv must be ring or full, got {self.sliding_window_kv!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16, bfloat16 or int8, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if str(self.disk_cache_size).strip().lower() not in ("auto", "off"):

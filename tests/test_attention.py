@@ -1,5 +1,5 @@
 """The native attention kernel for few-new-token sequences (kernels/attention.cpp) against the PyTorch path
-it replaces (index_select + SDPA), on random pools: GQA, sliding windows, padding, float32 and int8 pools."""
+it replaces (index_select + SDPA), on random pools: GQA, sliding windows, padding, float32, float16, bfloat16 and int8 pools."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +42,7 @@ def run(q, k, v, meta, native: bool, monkeypatch):
         return A.paged_attention(q, k, v, 0, meta, 0.3, sliding=meta.sliding is not None)
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("window", [None, 6])
 def test_native_decode_matches_sdpa(kind, window, monkeypatch):
     q, k, v, meta = scenario(kind, window=window)

@@ -316,7 +316,11 @@ def test_handoff_blocks_let_another_engine_decode_as_one_engine(tiny_model_dirs)
     prefill.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
     payload = export_prompt_blocks(prefill.engine, prompt)
     assert payload.shape == (5, prefill.engine.block_manager.block_io.nbytes)
-    assert import_prompt_blocks(decode.engine, prompt, payload) == 5
+    # blocks of another KV format (float16 and bfloat16 have the same bytes) are refused, not misread
+    other = LLM(str(tiny_model_dirs["llama"]), **kw, kv_cache_dtype="bfloat16")
+    assert other.engine.block_manager.namespace != prefill.engine.block_manager.namespace
+    assert import_prompt_blocks(other.engine, prompt, payload, prefill.engine.block_manager.namespace) == 0
+    assert import_prompt_blocks(decode.engine, prompt, payload, prefill.engine.block_manager.namespace) == 5
     assert import_prompt_blocks(decode.engine, prompt, payload) == 0  # held already: not written again
     got = decode.generate([prompt], params)[0]
     assert got.num_cached_tokens == 5 * BLOCK

@@ -83,8 +83,9 @@ def test_namespace_names_everything_that_changes_kv_bytes(tiny_model_dirs, tmp_p
     shutil.copytree(tiny_model_dirs["qwen2"], moved)
     assert ns(str(moved)) == base  # the same weights at another path (another machine's layout)
     other_weights = save_tiny_model(tmp_path / "qwen2-seed1", "qwen2", seed=1)
-    changed = [ns(block_size=32), ns(kv_cache_dtype="int8"), ns(quantization="int8"), ns(str(other_weights)),
-               ns("llama")]
+    # auto's choice is int8 or 16-bit: float32 and bfloat16 differ from it either way
+    changed = [ns(block_size=32), ns(kv_cache_dtype="float32"), ns(kv_cache_dtype="bfloat16"), ns(quantization="int8"),
+               ns(str(other_weights)), ns("llama")]
     assert len({base, *changed}) == 1 + len(changed)
     # ids chain through the parent: the same block after different parents differs
     assert block_hash(base, (1, 2, 3)) != block_hash(block_hash(base, (0,)), (1, 2, 3))
@@ -132,7 +133,8 @@ def test_disk_hit_on_latent_and_expert_models(tmp_path, arch):
 
 def test_ram_misses_continue_on_disk_after_eviction(tiny_model_dirs, tmp_path):
     """A pool too small to keep earlier prompts: their blocks come back from disk, not recomputation."""
-    llm = disk_llm(tiny_model_dirs["qwen2"], tmp_path, kv_cache_memory=24 * 16 * 512)  # 24 blocks
+    llm = disk_llm(tiny_model_dirs["qwen2"], tmp_path, kv_cache_memory=24 * 16 * 512,  # 24 blocks
+                   kv_cache_dtype="float32")
     prompts = prompts_of([150, 150, 150], seed=6)
     ref = [r.token_ids for r in llm.generate(prompts, PARAMS)]
     llm.engine.block_manager.disk.flush()
@@ -369,7 +371,8 @@ def test_gemma_prefix_cache_in_the_default_layout_is_exact_and_bounded(tiny_mode
     a prefix are served from the cache (global blocks + the window's sliding blocks), the tokens equal
     the transformers reference, and no sequence ever holds more sliding blocks than its window needs."""
     hf = build_hf_model("gemma3", seed=0)
-    llm = LLM(str(tiny_model_dirs["gemma3"]), progress=False, max_num_batched_tokens=16)
+    # a float32 pool: the tokens are compared with transformers' float32
+    llm = LLM(str(tiny_model_dirs["gemma3"]), progress=False, max_num_batched_tokens=16, kv_cache_dtype="float32")
     bm = llm.engine.block_manager
     assert bm.sliding is not None and bm.enable_prefix_caching
     base = prompts_of([100], seed=15)[0]

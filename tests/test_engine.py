@@ -72,12 +72,16 @@ def test_batch_of_16_equals_one_by_one(llms):
     dict(max_num_batched_tokens=16),
     dict(max_num_batched_tokens=64),
     dict(max_num_batched_tokens=100000),
-    dict(kv_cache_memory=24 * 16 * 512),  # 24 blocks of 16 tokens (512 bytes a token): forces preemption
+    dict(kv_cache_blocks=24),  # 24 blocks of 16 tokens: forces preemption
 ])
 def test_greedy_identical_across_engine_configs(llms, cfg):
     prompts = prompts_of([5, 40, 70, 100, 130, 17, 64, 90], seed=3)
     params = SamplingParams(max_tokens=24, **GREEDY)
     base = [r.token_ids for r in llms().generate(prompts, params)]
+    if "kv_cache_blocks" in cfg:  # the pool's size in bytes for the format auto chose
+        runner = llms().engine.runner
+        cfg = dict(kv_cache_memory=cfg["kv_cache_blocks"] * 16 * runner.kv_bytes_per_token(),
+                   kv_cache_dtype=runner.config.kv_cache_dtype)
     llm = llms(**cfg)
     got = [r.token_ids for r in llm.generate(prompts, params)]
     assert got == base
@@ -163,7 +167,7 @@ def test_eos_and_stop_token_ids_end_generation(llms):
 
 
 def test_logprobs_with_top_alternatives(llms, tiny_model_dirs):
-    llm = llms()
+    llm = llms(kv_cache_dtype="float32")  # compared with transformers' float32 within 1e-4
     hf = build_hf_model("qwen2", seed=0)
     prompt = prompts_of([10], seed=9)[0]
     r = llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=5, **GREEDY))[0]
@@ -262,7 +266,7 @@ def test_int8_kv_cache_holds_twice_the_tokens_and_stays_close(llms):
     pool in the same bytes; greedy output close to the float pool's on a tiny model (the real-model accuracy
     check is slow-marked)."""
     budget = 64 * 16 * 512
-    f32 = llms(kv_cache_memory=budget)
+    f32 = llms(kv_cache_memory=budget, kv_cache_dtype="float32")
     i8 = llms(kv_cache_memory=budget, kv_cache_dtype="int8")
     bf16_bytes = f32.engine.runner.kv_bytes_per_token() // 2
     assert i8.engine.runner.kv_bytes_per_token() * 2 == bf16_bytes

@@ -18,7 +18,7 @@ def v3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(v3_dir):
-    return LLM(str(v3_dir), progress=False)
+    return LLM(str(v3_dir), progress=False, kv_cache_dtype="float32")
 
 
 def test_pool_holds_the_latent_entry_not_full_kv(plain):

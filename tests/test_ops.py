@@ -76,10 +76,11 @@ def test_rotary_in_place_matches_apply_rotary(head_dim):
     assert torch.equal(wide[:, :6], out)
 
 
-@pytest.mark.parametrize("arch,fmt,kv", [("qwen2", "int4", "auto"), ("qwen2", "int8", "auto"), ("qwen2", "int4", "int8"),
+@pytest.mark.parametrize("arch,fmt,kv", [("qwen2", "int4", "float32"), ("qwen2", "int8", "bfloat16"), ("qwen2", "int4", "int8"),
+                                         ("qwen2", "int4", "float16"),
                                          # routed experts: a dense layer among routed ones with a gated shared
                                          # expert (qwen2moe), top-2 of 4 with renormalised weights (mixtral)
-                                         ("qwen2moe", "int8", "auto"), ("mixtral", "int4", "auto")])
+                                         ("qwen2moe", "int8", "auto"), ("mixtral", "int4", "float32")])
 def test_native_decode_stack_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_path_factory, arch, fmt, kv):
     """kernels/decoder.cpp runs a decode step's whole decoder stack in one call; every row must come out
     exactly as through models/llama.py's layers (same ops, same order), and steps it does not cover (prompt

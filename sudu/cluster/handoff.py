@@ -16,11 +16,14 @@ would need the sliding blocks too.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from sudu.cache.block_hash import prefix_hashes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +35,9 @@ class Handoff:
     prefill_s: float  # the prefill replica's time for the request (queue + prompt + one token)
     export_s: float  # copying the blocks out of the pool
     sent_at: float  # time.time() when it left the prefill replica
+    # the prefill engine's context-cache namespace: blocks are only valid in an engine with the same one
+    # (weights, weight format, KV format and scales: cache/context.py engine_namespace)
+    namespace: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -61,10 +67,16 @@ def export_prompt_blocks(engine, token_ids: list[int]) -> np.ndarray:
     return bm.block_io.gather(found, found).numpy()
 
 
-def import_prompt_blocks(engine, token_ids: list[int], payload: np.ndarray) -> int:
+def import_prompt_blocks(engine, token_ids: list[int], payload: np.ndarray, namespace: bytes = b"") -> int:
     """Write the handed-off blocks into the prefix cache; returns how many were written (blocks already
-    cached here are kept as they are). Engine thread, before the request is added."""
+    cached here are kept as they are). Engine thread, before the request is added. Blocks from an engine
+    with another namespace (say another KV format: the two replicas' load-time checks disagreed) are not
+    taken: this engine computes the prompt itself, and says so in its log."""
     bm = engine.block_manager
+    if namespace and namespace != bm.namespace:
+        log.warning("handoff blocks come from an engine with another KV namespace (%s, here %s): the prompt "
+                    "is computed here", namespace.hex(), bm.namespace.hex())
+        return 0
     if payload.shape[0] and payload.shape[1] != bm.block_io.nbytes:
         raise ValueError(f"handoff blocks of {payload.shape[1]} bytes, this engine's are {bm.block_io.nbytes}")
     hashes, ids = _prompt_blocks(engine, token_ids)

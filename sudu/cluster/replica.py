@@ -56,7 +56,7 @@ class EngineReplica:
             received = time.time()
             t0 = time.perf_counter()
             imported = await self.engine.run_in_engine(
-                lambda eng: import_prompt_blocks(eng, request.prompt_token_ids, handoff.payload))
+                lambda eng: import_prompt_blocks(eng, request.prompt_token_ids, handoff.payload, handoff.namespace))
             route = handoff_route(handoff, imported, time.perf_counter() - t0, received)
         async for out in self.engine.generate(request_id, request, priority):
             yield dataclasses.replace(out, route={**(out.route or {}), **route}) if route else out
@@ -75,7 +75,8 @@ class EngineReplica:
         prefill_s = time.perf_counter() - start
         t0 = time.perf_counter()
         payload = await self.engine.run_in_engine(lambda eng: export_prompt_blocks(eng, request.prompt_token_ids))
-        return Handoff(payload, self.replica_id, prefill_s, time.perf_counter() - t0, time.time())
+        return Handoff(payload, self.replica_id, prefill_s, time.perf_counter() - t0, time.time(),
+                       self.engine.engine.block_manager.namespace)
 
     def record_routing_stats(self) -> dict:
         ids = frozenset(self.engine.engine.block_manager.cached_block_ids())

@@ -15,7 +15,9 @@ import torch
 
 from sudu.config import EngineConfig
 from sudu.cache.context import build_block_manager
+from sudu.engine import kv_choice
 from sudu.engine.model_runner import ModelRunner, prepare_network
+from sudu.engine.placement import resolve_device, resolve_dtype
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from sudu.engine.request import CheckedRequest
 from sudu.engine.scheduler import ScheduledSeq, Scheduler
@@ -73,7 +75,12 @@ class LLMEngine:
         model, self.quantization = prepare_network(ckpt, config)
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
-        self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len, self.tokenizer)
+        # --kv-cache-dtype auto measured into a concrete format: everything below sees that one
+        config, self.kv_choice = kv_choice.resolve(config, model, self.tokenizer, resolve_device(config.device),
+                                                   resolve_dtype(config), kv_choice.identity(config, ckpt, self.quantization))
+        self.config = config
+        self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len, self.tokenizer,
+                                  self.kv_choice.ranges)
         self.block_manager = build_block_manager(config, ckpt, self.quantization, self.runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_when_decoding, config.max_itl_factor)
@@ -92,9 +99,9 @@ class LLMEngine:
         self.memory = memory_report(self)
         gib = 1 << 30
         log.info(
-            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens; memory: weights %.2f GiB, KV pool "
+            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens (%s); memory: weights %.2f GiB, KV pool "
             "%.2f GiB (%.2f GiB resident, the rest committed as it fills), process %.2f GiB resident",
-            ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size,
+            ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size, config.kv_cache_dtype,
             self.memory["memory_weights_bytes"] / gib, self.memory["memory_kv_pool_bytes"] / gib,
             max(0, self.memory["memory_kv_resident_bytes"]) / gib, self.memory["memory_rss_bytes"] / gib,
         )

@@ -150,9 +150,10 @@ def context_slots(tables: list[list[int]], ends: list[int], block_size: int) -> 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, max_model_len: int,
-                 tokenizer=None):
+                 tokenizer=None, kv_ranges: list | None = None):
         """tokenizer: the checkpoint's, for the calibration pass that sets int8 KV scales (required with
-        kv_cache_dtype int8; layers/kv_cache.py calibration_ids)."""
+        kv_cache_dtype int8; layers/kv_cache.py calibration_ids). kv_ranges: that pass's per-layer (k_max,
+        v_max) when it has run already (engine/kv_choice.py)."""
         self.config = config
         self.model_cfg = model_cfg
         self.model = model
@@ -189,7 +190,10 @@ class ModelRunner:
             blocks = self.sliding_blocks.num_blocks if i in ring_layers else self.num_blocks
             self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, blocks * self.block_size,
                                                 kv_heads, k_dim, self.dtype, self.device, v_dim))
-        if config.kv_cache_dtype == "int8":
+        if config.kv_cache_dtype == "int8" and kv_ranges is not None:
+            for cache, (k_max, v_max) in zip(self.kv_caches, kv_ranges):
+                cache.set_range(k_max * KV_SCALE_MARGIN, v_max * KV_SCALE_MARGIN)
+        elif config.kv_cache_dtype == "int8":
             ids = calibration_ids(tokenizer, model_cfg) if tokenizer is not None else []
             log.info("calibrating the int8 KV scales on %d tokens", len(ids))
             calibrate_int8_kv(model, self.kv_caches, ids)

@@ -57,7 +57,7 @@ class MTPDrafter:
         model_cfg = _one_layer(ckpt.config)
         target_tokens = engine.runner.num_blocks * config.block_size
         pool_bytes = (target_tokens + 64 * config.block_size) * kv_bytes_per_token(model_cfg, dtype)
-        cfg = dataclasses.replace(config, kv_cache_memory=pool_bytes, kv_cache_dtype="auto")
+        cfg = dataclasses.replace(config, kv_cache_memory=pool_bytes, kv_cache_dtype=str(dtype).removeprefix("torch."))
         self.runner = ModelRunner(cfg, model_cfg, net, engine.max_model_len)
         self.runner.keep_hidden = True
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)

@@ -4,8 +4,8 @@
 //
 // Inputs (float32 unless noted):
 //   q      [T, H, D]  any row/head strides, unit stride within a head
-//   kc, vc [S, Hkv, D]  the layer's pool: float32, or int8 with float32 per-channel scales ks, vs [Hkv, D]
-//          (value = int8 * scale; layers/kv_cache.py)
+//   kc, vc [S, Hkv, D]  the layer's pool: float32, float16, bfloat16, or int8 with float32 per-channel
+//          scales ks, vs [Hkv, D] (value = int8 * scale; layers/kv_cache.py)
 //   rows   int64 [B, Q]  row of each sequence's i-th new token in q / out, -1 = padding
 //   slots  int64 [B, L]  slots of the keys each sequence may see, in position order
 //   mask   bool  [B, Q, L]  true = attend (causal, sliding window)
@@ -34,8 +34,13 @@
 namespace {
 
 
-// 8 float32 or int8 values as floats
+// 8 pool values (float32, float16, bfloat16 or int8) as float32: exact conversions
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const at::BFloat16* p) {  // a bfloat16 is the top half of its float32
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -225,7 +230,7 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
 }  // namespace
 
 // Writes into out; see the header for the arguments. ks / vs: float32 [Hkv, D] scales for an int8 pool,
-// empty tensors for a float32 one.
+// empty tensors for a float one.
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
                       torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1, "q must be float32 [T, H, D]");
@@ -236,20 +241,26 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
   const int64_t H = q.size(1), D = q.size(2), Hkv = kc.size(1), B = rows.size(0), Q = rows.size(1), L = slots.size(1);
   TORCH_CHECK(kc.size(2) == D && D % 8 == 0 && H % Hkv == 0, "head sizes do not match");
   TORCH_CHECK(slots.size(0) == B && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == L, "metadata shapes");
-  const bool quantized = kc.scalar_type() == torch::kChar;
-  if (quantized) {
+  TORCH_CHECK(vc.scalar_type() == kc.scalar_type(), "K and V pools differ in dtype");
+  const float* ksp = nullptr;
+  const float* vsp = nullptr;
+  if (kc.scalar_type() == torch::kChar) {
     TORCH_CHECK(ks.scalar_type() == torch::kFloat && vs.scalar_type() == torch::kFloat && ks.is_contiguous() &&
                 vs.is_contiguous() && ks.numel() == Hkv * D && vs.numel() == ks.numel(),
                 "int8 pool needs float32 scales [Hkv, D]");
-    decode_attention_impl<int8_t>(q.data_ptr<float>(), q.stride(0), q.stride(1), kc.data_ptr<int8_t>(),
-                                  vc.data_ptr<int8_t>(), ks.data_ptr<float>(), vs.data_ptr<float>(), Hkv, D, rows.data_ptr<int64_t>(), B, Q,
-                                  slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale),
-                                  out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(kc.scalar_type() == torch::kFloat, "pool must be float32 or int8");
-    decode_attention_impl<float>(q.data_ptr<float>(), q.stride(0), q.stride(1), kc.data_ptr<float>(),
-                                 vc.data_ptr<float>(), nullptr, nullptr, Hkv, D, rows.data_ptr<int64_t>(), B, Q,
-                                 slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale),
-                                 out.data_ptr<float>());
+    ksp = ks.data_ptr<float>();
+    vsp = vs.data_ptr<float>();
+  }
+  auto run = [&](auto* k, auto* v) {
+    decode_attention_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), k, v, ksp, vsp, Hkv, D,
+                          rows.data_ptr<int64_t>(), B, Q, slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H,
+                          float(scale), out.data_ptr<float>());
+  };
+  switch (kc.scalar_type()) {
+    case torch::kFloat: run(kc.data_ptr<float>(), vc.data_ptr<float>()); break;
+    case torch::kHalf: run(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>()); break;
+    case torch::kBFloat16: run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>()); break;
+    case torch::kChar: run(kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>()); break;
+    default: TORCH_CHECK(false, "pool must be float32, float16, bfloat16 or int8");
   }
 }

@@ -1,9 +1,9 @@
 // A whole llama-family decode step's decoder stack in one call: for steps whose sequences all have a few
-// new tokens (decodes, speculative verification), quantized fused projections and a float32 KV pool.
+// new tokens (decodes, speculative verification), quantized fused projections and any KV pool.
 // It chains the very functions the Python layers call (qlinear, add_rms_norm, rotary_, the KV write,
 // decode_attention, silu_mul), in the same order, so every row comes out bit for bit as through
 // models/llama.py: what this saves is the ~100 Python-level module calls and dispatches per layer.
-// The KV pools are float32, or int8 with per-channel scales (layers/kv_cache.py Int8KVCache).
+// The KV pools are float32, float16, bfloat16, or int8 with per-channel scales (layers/kv_cache.py).
 #include "kernels.h"
 
 #include <algorithm>
@@ -19,21 +19,47 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w
   return qlinear(x, w[at], bias.defined() && bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
 }
 
+// Copies x's rows into a 16-bit pool's slots, each value rounded to nearest even as Tensor.to() rounds.
+template <typename T>
+void write_rows16(T* dst, const int64_t* slots, const float* src, int64_t T_, int64_t row_stride, int64_t width,
+                  int64_t num_slots) {
+  for (int64_t t = 0; t < T_; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
+    const float* s = src + t * row_stride;
+    T* d = dst + slots[t] * width;
+    for (int64_t i = 0; i < width; ++i) d[i] = T(s[i]);
+  }
+}
+
 // The new tokens' K or V (x: [T, Hkv, D], unit stride within a head) into the pool's slots: copied into a
-// float32 pool (row by row); into an int8 one as round(x / scale) to nearest even, saturated at +-127, which is what
-// Int8KVCache.quantize computes.
+// float32 pool (row by row), rounded into a float16 or bfloat16 one (to nearest even, as Tensor.to()); into
+// an int8 one as round(x / scale) to nearest even, saturated at +-127, which is what Int8KVCache.quantize
+// computes.
 void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torch::Tensor& x,
               const torch::Tensor& scale) {
   const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
   if (pool.scalar_type() != torch::kChar) {
     // a token's heads are one contiguous run in both (a slice of the fused qkv row; a pool slot): plain copies
-    if (pool.scalar_type() != torch::kFloat || x.scalar_type() != torch::kFloat || x.stride(2) != 1 ||
-        x.stride(1) != D || !pool.is_contiguous() || pool.size(1) != Hkv || pool.size(2) != D) {
-      pool.index_copy_(0, slot_mapping, x);
+    if (x.scalar_type() != torch::kFloat || x.stride(2) != 1 || x.stride(1) != D || !pool.is_contiguous() ||
+        pool.size(1) != Hkv || pool.size(2) != D) {
+      pool.index_copy_(0, slot_mapping, x.to(pool.scalar_type()));
       return;
     }
     const float* src = x.data_ptr<float>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    switch (pool.scalar_type()) {
+      case torch::kHalf:
+        write_rows16(pool.data_ptr<at::Half>(), slots, src, T, x.stride(0), Hkv * D, pool.size(0));
+        return;
+      case torch::kBFloat16:
+        write_rows16(pool.data_ptr<at::BFloat16>(), slots, src, T, x.stride(0), Hkv * D, pool.size(0));
+        return;
+      case torch::kFloat:
+        break;
+      default:
+        pool.index_copy_(0, slot_mapping, x.to(pool.scalar_type()));
+        return;
+    }
     float* dst = pool.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(slots[t] >= 0 && slots[t] < pool.size(0), "write_kv: slot out of range");
@@ -71,7 +97,7 @@ torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>
 // (absent biases as empty tensors; each layer's outputs whole tiles; models/llama.py).
 // A layer with experts (experts[l] = E > 0) has, after its post-attention norm, a router and E experts
 // instead of gate_up / down (moe.cpp sparse_moe: 1 + 4 E tensors, then the shared expert's 5 or 4).
-// k_caches / v_caches: each layer's pool, float32 or int8; k_scales / v_scales: an int8 pool's float32 [Hkv, D]
+// k_caches / v_caches: each layer's pool, float32, float16, bfloat16 or int8; k_scales / v_scales: an int8 pool's float32 [Hkv, D]
 // scales (empty tensors for float32 pools); slot_mapping, rows, slots, mask: the step's
 // AttentionView (decode batch). Returns the final norm of the residual stream [T, hidden].
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from sudu import kernels
-from sudu.layers.kv_cache import Int8KVCache, KVCache
+from sudu.layers.kv_cache import NATIVE_POOL_DTYPES, Int8KVCache, KVCache
 from sudu.layers.linear import fuse_linears
 
-_EMPTY = torch.empty(0)  # a float32 pool's scales
+_EMPTY = torch.empty(0)  # a float pool's scales
 
 
 NATIVE_MAX_Q = 8  # the native kernel takes batches whose sequences have at most this many new tokens
@@ -27,11 +27,11 @@ NATIVE_MAX_Q = 8  # the native kernel takes batches whose sequences have at most
 
 def decode_kernel(q: torch.Tensor, cache: KVCache, max_q: int):
     """The native kernel (kernels/attention.cpp) for this call's few-new-token sequences, or None: it takes
-    float32 queries over a float32 or int8 pool with a head size that is a multiple of 8, and batches
+    float32 queries over a pool it reads (NATIVE_POOL_DTYPES) with a head size that is a multiple of 8, and batches
     whose longest sequence has at most NATIVE_MAX_Q new tokens (decodes and speculative verification;
     beyond that, e.g. a prefill chunk riding along with decodes, SDPA's blocked kernel is faster).
     Otherwise (or without the extension) they go through index_select + SDPA."""
-    if (not q.is_cpu or q.dtype != torch.float32 or cache.k.dtype not in (torch.float32, torch.int8)
+    if (not q.is_cpu or q.dtype != torch.float32 or cache.k.dtype not in NATIVE_POOL_DTYPES
             or q.shape[-1] % 8 or max_q > NATIVE_MAX_Q):
         return None
     ext = kernels.load()

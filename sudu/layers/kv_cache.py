@@ -1,5 +1,6 @@
-"""One layer's KV pool: [num_slots, num_kv_heads, head_dim], stored as the model dtype or as int8 with
-static per-channel scales.
+"""One layer's KV pool: [num_slots, num_kv_heads, head_dim], stored as float32, float16, bfloat16, or int8
+with static per-channel scales. Which one `--kv-cache-dtype auto` picks is measured at load
+(engine/kv_choice.py).
 
 int8 (`--kv-cache-dtype int8`) stores one byte per value and nothing per token: each (kv head, channel) of
 a layer has one float32 scale for K and one for V, fixed when the engine loads (calibrate_int8_kv in
@@ -29,7 +30,11 @@ import mmap
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")
+# auto: chosen at load (engine/kv_choice.py); below the engine, auto means the compute dtype
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+FLOAT_POOL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# pools the native attention kernel and decode stack read (kernels/attention.cpp load8)
+NATIVE_POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 KV_SCALE_MARGIN = 2.0  # headroom over the calibration text's largest K / V values (why 2: the docstring)
 
 CALIBRATION_CHAT = [{"role": "user", "content": "Write a JavaScript function that debounces another function, "
@@ -80,7 +85,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None) -> int:
-        return num_kv_heads * (head_dim + (v_head_dim or head_dim)) * torch.finfo(dtype).bits // 8
+        return num_kv_heads * (head_dim + (v_head_dim or head_dim)) * dtype.itemsize
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k.index_copy_(0, slots, k.to(self.k.dtype))
@@ -120,11 +125,6 @@ class Int8KVCache(KVCache):
         self.k_scale: torch.Tensor | None = None  # float32 [num_kv_heads, head_dim], set by set_range
         self.v_scale: torch.Tensor | None = None
 
-    @staticmethod
-    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.int8,
-                        v_head_dim: int | None = None) -> int:
-        return num_kv_heads * (head_dim + (v_head_dim or head_dim))
-
     def set_range(self, k_max: torch.Tensor, v_max: torch.Tensor) -> None:
         """Scales that map +-k_max / +-v_max ([num_kv_heads, head_dim]) to +-127."""
         self.k_scale = (k_max.float() / 127.0).clamp_min(1e-8).contiguous().to(self.k.device)
@@ -148,15 +148,25 @@ class Int8KVCache(KVCache):
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
 
 
+def pool_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The element type of a `kind` pool (a KV_CACHE_DTYPES name; auto = the compute dtype `dtype`)."""
+    if kind == "int8":
+        return torch.int8
+    if kind == "auto":
+        return dtype
+    if kind not in FLOAT_POOL_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kind!r}")
+    return FLOAT_POOL_DTYPES[kind]
+
+
 def make_kv_cache(kind: str, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device | str = "cpu", v_head_dim: int | None = None) -> KVCache:
     if kind == "int8":
         return Int8KVCache(num_slots, num_kv_heads, head_dim, device, v_head_dim)
-    return KVCache(num_slots, num_kv_heads, head_dim, dtype, device, v_head_dim)
+    return KVCache(num_slots, num_kv_heads, head_dim, pool_dtype(kind, dtype), device, v_head_dim)
 
 
 def layer_kv_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                              v_head_dim: int | None = None) -> int:
     """Bytes one token's K and V take in one layer."""
-    cls = Int8KVCache if kind == "int8" else KVCache
-    return cls.bytes_per_token(num_kv_heads, head_dim, dtype, v_head_dim)
+    return KVCache.bytes_per_token(num_kv_heads, head_dim, pool_dtype(kind, dtype), v_head_dim)

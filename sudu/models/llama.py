@@ -8,7 +8,7 @@ from torch import nn
 from sudu import kernels
 from sudu.layers import linear
 from sudu.layers.attention import NATIVE_MAX_Q, AttentionMetadata, QKVProjections, paged_attention
-from sudu.layers.kv_cache import Int8KVCache, KVCache
+from sudu.layers.kv_cache import NATIVE_POOL_DTYPES, Int8KVCache, KVCache
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.moe import SparseMoE
 from sudu.layers.norm import RMSNorm
@@ -150,12 +150,13 @@ class LlamaForCausalLM(nn.Module):
         self._native_decode = (ext.llama_decode, weights, experts, moe or ext.MoeParams())
 
     def _decode_natively(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The one-call native stack for a step of few-new-token sequences over float32 or int8 KV pools, or None."""
+        """The one-call native stack for a step of few-new-token sequences over the KV pools the attention kernel
+        reads (layers/kv_cache.py NATIVE_POOL_DTYPES), or None."""
         native = self._native_decode
         view, d = meta.full, meta.full.decode
         if (native is None or x.dtype != torch.float32 or x.shape[0] >= linear.PREFILL_MIN_ROWS or d is None
                 or view.seqs or meta.sliding is not None or d.rows.shape[1] > NATIVE_MAX_Q
-                or not all(type(c) is Int8KVCache or (type(c) is KVCache and c.k.dtype == torch.float32)
+                or not all(type(c) is Int8KVCache or (type(c) is KVCache and c.k.dtype in NATIVE_POOL_DTYPES)
                            for c in meta.kv_caches)):
             return None
         fn, weights, experts, moe = native
