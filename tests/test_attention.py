@@ -82,3 +82,31 @@ def meta_slots(meta, b: int) -> torch.Tensor:
     d = meta.full.decode
     n = int(d.mask[b, 0].sum(-1).max())
     return d.slots[b, :n].clone()
+
+
+def test_a_longer_sequence_in_the_step_does_not_move_the_others_off_the_kernel(monkeypatch):
+    """A sequence with more new tokens than the kernel takes (a grammar's forced run, a short prompt chunk)
+    attends on its own; the few-token sequences beside it keep the kernel, so their rows are bit for bit
+    what they are without it (the guarantee speculative and constrained decoding build on)."""
+    q, k, v, meta = scenario("float32")
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
+    cache = meta.kv_caches[0]
+    seqs = [meta_slots(meta, b) for b in range(4)]
+    used = torch.cat(seqs)
+    free = torch.tensor([s for s in range(256) if s not in set(used.tolist())])
+    n_long = A.NATIVE_MAX_Q + 4
+    long_slots = free[:n_long + 5]
+    cache.write(long_slots[:5], torch.randn(5, kv_heads, head_dim, generator=g),
+                torch.randn(5, kv_heads, head_dim, generator=g))
+    q_lens = [1, A.NATIVE_MAX_Q, 3, 1]
+    mixed = A.build_metadata(q_lens[:2] + [n_long] + q_lens[2:], seqs[:2] + [long_slots] + seqs[2:], [cache], None)
+    assert mixed.full.decode.rows.shape[1] <= A.NATIVE_MAX_Q and len(mixed.full.seqs) == 1
+    split = sum(q_lens[:2])
+    ql = torch.randn(n_long, heads, head_dim, generator=g)
+    kl = torch.randn(n_long, kv_heads, head_dim, generator=g)
+    vl = torch.randn(n_long, kv_heads, head_dim, generator=g)
+    cat = lambda a, b: torch.cat([a[:split], b, a[split:]])
+    together = run(cat(q, ql), cat(k, kl), cat(v, vl), mixed, True, monkeypatch)
+    alone = run(q, k, v, A.build_metadata(q_lens, seqs, [cache], None), True, monkeypatch)
+    assert torch.equal(torch.cat([together[:split], together[split + n_long:]]), alone)

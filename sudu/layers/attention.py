@@ -98,7 +98,11 @@ class AttentionView:
                              None if self.decode is None else self.decode.to(device))
 
 
-SMALL_Q = 16  # sequences with at most this many new tokens share one padded attention call
+# sequences with at most this many new tokens share one padded attention call: the native kernel's limit, so
+# that every such sequence takes the kernel whatever else is in the step (a longer one in the batch would
+# send them all through SDPA, whose sums differ in the last bits: speculative and constrained decoding
+# rely on a row computing the same in any step)
+SMALL_Q = NATIVE_MAX_Q
 
 
 @dataclass
