@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sudu.engine.model_runner import kv_value_ranges, range_recorders, set_int8_ranges
 from sudu.engine.text_eval import forward_text
-from sudu.layers.kv_cache import (CALIBRATION_TEXT, KV_SCALE_MARGIN, Int8KVCache, KVCache, KVRangeRecorder,
-                                  calibration_ids)
+from sudu.layers.kv_cache import (CALIBRATION_TEXT, KV_CACHE_DTYPES, KV_SCALE_MARGIN, Int8KVCache, KVCache,
+                                  KVRangeRecorder, calibration_ids, network_ids)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _stored(key: tuple) -> KVChoice | None:
         entry = json.loads(_stored_path().read_text()).get(_digest(key))
     except (OSError, ValueError):
         return None
-    if not isinstance(entry, dict) or entry.get("dtype") not in ("int8", "float16", "bfloat16", "float32"):
+    if not isinstance(entry, dict) or entry.get("dtype") not in KV_CACHE_DTYPES[1:]:
         return None
     return KVChoice(entry["dtype"], str(entry.get("reason", "")) + " (measured at an earlier load)",
                     figures=dict(entry.get("figures", {})))
@@ -117,20 +118,19 @@ def _digest(key: tuple) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def identity(config, ckpt, weight_format: str) -> str:
-    """What the check's result depends on besides its bars: the weights' content and their format."""
-    from sudu.cache.context import model_identity
-
-    return f"{model_identity(config.model, ckpt.path)}/{weight_format}"
-
-
 def resolve(config, model: torch.nn.Module, tokenizer, device: torch.device, dtype: torch.dtype,
-            identity: str = "") -> tuple:
-    """(config with a concrete kv_cache_dtype, the KVChoice behind it). identity: the weights' content
-    identity (cache/context.py model_identity) with their format; empty = do not reuse a choice."""
-    key = (identity, device.type, str(dtype), MIN_AGREEMENT, MAX_PPL_RISE, FLOAT16_HEADROOM, KV_SCALE_MARGIN)
-    reuse = bool(identity) and config.kv_cache_dtype == "auto" and device.type == "cpu"
-    choice = (_MEMO.get(key) or _stored(key)) if reuse else None
+            ckpt=None, weight_format: str = "") -> tuple:
+    """(config with a concrete kv_cache_dtype, the KVChoice behind it). ckpt, weight_format: the weights
+    and their format, by whose content (cache/context.py model_identity) a check's result is reused;
+    without ckpt the check runs anew."""
+    reuse = ckpt is not None and config.kv_cache_dtype == "auto" and device.type == "cpu"
+    choice = key = None
+    if reuse:
+        from sudu.cache.context import model_identity
+
+        identity = f"{model_identity(config.model, ckpt.path)}/{weight_format}"
+        key = (identity, device.type, str(dtype), MIN_AGREEMENT, MAX_PPL_RISE, FLOAT16_HEADROOM, KV_SCALE_MARGIN)
+        choice = _MEMO.get(key) or _stored(key)
     if choice is None:
         choice = choose(config.kv_cache_dtype, model, tokenizer, device, dtype)
         if reuse:
@@ -152,17 +152,14 @@ def choose(requested: str, model: torch.nn.Module, tokenizer, device: torch.devi
         return KVChoice("float32", "no tokenizer to check a compressed pool with")
     cfg = model.config
     cal = calibration_ids(tokenizer, cfg)
-    check = [i for i in tokenizer.encode(CHECK_TEXT, add_special_tokens=False) if i < cfg.vocab_size]
-    check = check[:cfg.max_position_embeddings]
+    check = network_ids(tokenizer.encode(CHECK_TEXT, add_special_tokens=False), cfg)
     if len(cal) < 2 or len(check) < 2:
         return KVChoice("float32", "texts too short for the check")
-    cal_ranges = _ranges(model, cal)
-    ref_logp, ref_top, check_ranges = _scores(model, check, _recorders(model, len(check)))
-    int8_pools = []
-    for k_max, v_max in cal_ranges:
-        pool = Int8KVCache(len(check), k_max.shape[0], k_max.shape[1], v_head_dim=v_max.shape[1])
-        pool.set_range(k_max * KV_SCALE_MARGIN, v_max * KV_SCALE_MARGIN)
-        int8_pools.append(pool)
+    cal_ranges = kv_value_ranges(model, cal)
+    ref_logp, ref_top, check_ranges = _scores(model, check, range_recorders(cfg, len(check)))
+    heads, k_dim, v_dim = cfg.kv_cache_shape()
+    int8_pools = [Int8KVCache(len(check), heads, k_dim, v_head_dim=v_dim) for _ in range(cfg.num_hidden_layers)]
+    set_int8_ranges(int8_pools, cal_ranges)
     logp, top, _ = _scores(model, check, int8_pools)
     agreement = (top == ref_top).float().mean().item()
     rise = math.exp(ref_logp.mean().item() - logp.mean().item()) - 1.0  # ppl(int8) / ppl(float32) - 1
@@ -178,17 +175,6 @@ def choose(requested: str, model: torch.nn.Module, tokenizer, device: torch.devi
                         figures=figures)
     return KVChoice("bfloat16", f"{int8_line} misses {MIN_AGREEMENT:.0%} / {MAX_PPL_RISE:+.1%}; largest K/V value "
                                 f"{peak:.4g} too close to float16's limit", figures=figures)
-
-
-def _recorders(model: torch.nn.Module, n: int) -> list[KVRangeRecorder]:
-    heads, k_dim, v_dim = model.config.kv_cache_shape()
-    return [KVRangeRecorder(n, heads, k_dim, v_head_dim=v_dim) for _ in range(model.config.num_hidden_layers)]
-
-
-def _ranges(model: torch.nn.Module, token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    recorders = _recorders(model, len(token_ids))
-    forward_text(model, token_ids, recorders)
-    return [(r.k_max, r.v_max) for r in recorders]
 
 
 @torch.inference_mode()

@@ -77,7 +77,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         # --kv-cache-dtype auto measured into a concrete format: everything below sees that one
         config, self.kv_choice = kv_choice.resolve(config, model, self.tokenizer, resolve_device(config.device),
-                                                   resolve_dtype(config), kv_choice.identity(config, ckpt, self.quantization))
+                                                   resolve_dtype(config), ckpt, self.quantization)
         self.config = config
         self.runner = ModelRunner(config, ckpt.config, model, self.max_model_len, self.tokenizer,
                                   self.kv_choice.ranges)

@@ -117,19 +117,34 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     return model, fmt
 
 
+def range_recorders(model_cfg: ModelConfig, num_slots: int, device: torch.device | str = "cpu") -> list[KVRangeRecorder]:
+    """One float32 pool per layer that records its K and V ranges (layers/kv_cache.py KVRangeRecorder)."""
+    heads, k_dim, v_dim = model_cfg.kv_cache_shape()
+    return [KVRangeRecorder(num_slots, heads, k_dim, device, v_dim) for _ in range(model_cfg.num_hidden_layers)]
+
+
 @torch.inference_mode()
-def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]) -> None:
-    """Sets the scales of the int8 pools among caches (layers/kv_cache.py): one forward pass of token_ids
-    over temporary float32 pools that record every layer's K and V ranges, each scale then covering
-    KV_SCALE_MARGIN times the largest value seen."""
+def kv_value_ranges(model: torch.nn.Module, token_ids: list[int], device: torch.device | str = "cpu") -> list:
+    """Per layer, (K's largest rotate-half pair norm, V's largest magnitude) per (kv head, channel) over
+    one forward pass of token_ids: what int8 KV scales are set from."""
     if not token_ids:
         raise SuduError("int8 KV calibration needs at least one token")
-    n = len(token_ids)
-    recorders = [KVRangeRecorder(n, c.k.shape[1], c.k.shape[2], c.k.device, c.v.shape[2]) for c in caches]
+    recorders = range_recorders(model.config, len(token_ids), device)
     forward_text(model, token_ids, recorders)
-    for cache, rec in zip(caches, recorders):
+    return [(r.k_max, r.v_max) for r in recorders]
+
+
+def set_int8_ranges(caches: list, ranges: list) -> None:
+    """Sets the scales of the int8 pools among caches, each covering KV_SCALE_MARGIN times its range."""
+    for cache, (k_max, v_max) in zip(caches, ranges):
         if isinstance(cache, Int8KVCache):
-            cache.set_range(rec.k_max * KV_SCALE_MARGIN, rec.v_max * KV_SCALE_MARGIN)
+            cache.set_range(k_max * KV_SCALE_MARGIN, v_max * KV_SCALE_MARGIN)
+
+
+def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]) -> None:
+    """Sets the scales of the int8 pools among caches (layers/kv_cache.py) from one calibration pass of
+    token_ids over temporary float32 pools that record every layer's K and V ranges."""
+    set_int8_ranges(caches, kv_value_ranges(model, token_ids, caches[0].k.device))
 
 
 def context_slots(tables: list[list[int]], ends: list[int], block_size: int) -> list[torch.Tensor]:
@@ -191,8 +206,7 @@ class ModelRunner:
             self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, blocks * self.block_size,
                                                 kv_heads, k_dim, self.dtype, self.device, v_dim))
         if config.kv_cache_dtype == "int8" and kv_ranges is not None:
-            for cache, (k_max, v_max) in zip(self.kv_caches, kv_ranges):
-                cache.set_range(k_max * KV_SCALE_MARGIN, v_max * KV_SCALE_MARGIN)
+            set_int8_ranges(self.kv_caches, kv_ranges)
         elif config.kv_cache_dtype == "int8":
             ids = calibration_ids(tokenizer, model_cfg) if tokenizer is not None else []
             log.info("calibrating the int8 KV scales on %d tokens", len(ids))

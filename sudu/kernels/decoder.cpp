@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 namespace {
 
@@ -19,11 +18,12 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w
   return qlinear(x, w[at], bias.defined() && bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
 }
 
-// Copies x's rows into a 16-bit pool's slots, each value rounded to nearest even as Tensor.to() rounds.
+// Copies x's rows into a float pool's slots: float32 as they are, float16 and bfloat16 rounded to nearest
+// even, as Tensor.to() rounds.
 template <typename T>
-void write_rows16(T* dst, const int64_t* slots, const float* src, int64_t T_, int64_t row_stride, int64_t width,
-                  int64_t num_slots) {
-  for (int64_t t = 0; t < T_; ++t) {
+void write_rows(T* dst, const int64_t* slots, const float* src, int64_t rows, int64_t row_stride, int64_t width,
+                int64_t num_slots) {
+  for (int64_t t = 0; t < rows; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
     const float* s = src + t * row_stride;
     T* d = dst + slots[t] * width;
@@ -31,15 +31,14 @@ void write_rows16(T* dst, const int64_t* slots, const float* src, int64_t T_, in
   }
 }
 
-// The new tokens' K or V (x: [T, Hkv, D], unit stride within a head) into the pool's slots: copied into a
-// float32 pool (row by row), rounded into a float16 or bfloat16 one (to nearest even, as Tensor.to()); into
-// an int8 one as round(x / scale) to nearest even, saturated at +-127, which is what Int8KVCache.quantize
-// computes.
+// The new tokens' K or V (x: [T, Hkv, D], unit stride within a head) into the pool's slots: into a float32,
+// float16 or bfloat16 pool by write_rows; into an int8 one as round(x / scale) to nearest even, saturated at
+// +-127, which is what Int8KVCache.quantize computes.
 void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torch::Tensor& x,
               const torch::Tensor& scale) {
   const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
   if (pool.scalar_type() != torch::kChar) {
-    // a token's heads are one contiguous run in both (a slice of the fused qkv row; a pool slot): plain copies
+    // a token's heads are one contiguous run in both (a slice of the fused qkv row; a pool slot)
     if (x.scalar_type() != torch::kFloat || x.stride(2) != 1 || x.stride(1) != D || !pool.is_contiguous() ||
         pool.size(1) != Hkv || pool.size(2) != D) {
       pool.index_copy_(0, slot_mapping, x.to(pool.scalar_type()));
@@ -47,25 +46,13 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
     }
     const float* src = x.data_ptr<float>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    auto write = [&](auto* dst) { write_rows(dst, slots, src, T, x.stride(0), Hkv * D, pool.size(0)); };
     switch (pool.scalar_type()) {
-      case torch::kHalf:
-        write_rows16(pool.data_ptr<at::Half>(), slots, src, T, x.stride(0), Hkv * D, pool.size(0));
-        return;
-      case torch::kBFloat16:
-        write_rows16(pool.data_ptr<at::BFloat16>(), slots, src, T, x.stride(0), Hkv * D, pool.size(0));
-        return;
-      case torch::kFloat:
-        break;
-      default:
-        pool.index_copy_(0, slot_mapping, x.to(pool.scalar_type()));
-        return;
+      case torch::kFloat: write(pool.data_ptr<float>()); return;
+      case torch::kHalf: write(pool.data_ptr<at::Half>()); return;
+      case torch::kBFloat16: write(pool.data_ptr<at::BFloat16>()); return;
+      default: pool.index_copy_(0, slot_mapping, x.to(pool.scalar_type())); return;
     }
-    float* dst = pool.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < pool.size(0), "write_kv: slot out of range");
-      std::memcpy(dst + slots[t] * Hkv * D, src + t * x.stride(0), sizeof(float) * Hkv * D);
-    }
-    return;
   }
   TORCH_CHECK(x.stride(2) == 1 && scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
               scale.numel() == Hkv * D && pool.is_contiguous() && pool.size(1) == Hkv && pool.size(2) == D,

@@ -57,6 +57,11 @@ def calibration_ids(tokenizer, config) -> list[int]:
     """The calibration pass's tokens: a chat turn, then code and prose (ids the network's vocabulary has, at
     most the model's positions)."""
     ids = tokenizer.encode_chat(CALIBRATION_CHAT) + tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
+    return network_ids(ids, config)
+
+
+def network_ids(ids: list[int], config) -> list[int]:
+    """The ids the network's vocabulary has, at most the model's positions."""
     return [i for i in ids if i < config.vocab_size][:config.max_position_embeddings]
 
 
