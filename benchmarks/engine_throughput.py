@@ -7,8 +7,11 @@
    each warm one shares the prefix with the request before it (distinct tail). Target warm <= 10% cold.
 3. ITL p99 of 4 decoding streams while a 4,000-token prompt arrives, vs the same 4 streams alone.
    Target <= 3x with chunked prefill.
+4. a burst: N requests (default 32, ~200-token distinct prompts, 64 tokens out) arriving at once, with
+   the auto chunk budget and with fixed ones (max_num_batched_tokens: vLLM's chunked prefill), alternating
+   rounds: wall time, output tok/s, mean TTFT, the decoders' ITL p99.
 
-    python -m benchmarks.engine_throughput [--parts 1,2,3] [--requests 64]
+    python -m benchmarks.engine_throughput [--parts 1,2,3,4] [--requests 64] [--burst-chunks 0,512]
 """
 from __future__ import annotations
 
@@ -158,6 +161,54 @@ def part_itl(llm: LLM, tokens: int) -> None:
     print(f"the price: the long prompt's TTFT {long_ttft:.1f} s among the streams vs {alone:.1f} s alone", flush=True)
 
 
+def burst(llm: LLM, n: int, prompt_tokens: int, out_tokens: int) -> dict:
+    """n requests added at once; stepped to the end. Distinct prompts: nothing is served from the cache."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+    tag = random.random()
+    arrival = time.perf_counter()
+    for i in range(n):
+        eng.add_request(f"b{i}-{tag}", filler_ids(llm.tokenizer, prompt_tokens, 1000 + 13 * i + int(tag * 1e6)), params)
+    first, last, gaps = {}, {}, []
+    steps = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outs:
+            if not any(c.token_ids for c in o.outputs):
+                continue
+            first.setdefault(o.request_id, now - arrival)
+            if o.request_id in last:
+                gaps.append(now - last[o.request_id])
+            last[o.request_id] = now
+    wall = time.perf_counter() - arrival
+    return {"wall": wall, "tok_s": n * out_tokens / wall, "ttft": statistics.mean(first.values()),
+            "itl_p99": p99(gaps), "steps": steps}
+
+
+def part_burst(chunks: list[int], threads: int, n: int, rounds: int) -> None:
+    print(f"\n## 4. a burst of {n} requests arriving at once (~200-token prompts, 64 tokens out), "
+          f"{rounds} alternating rounds", flush=True)
+    llms = {c: LLM(MODEL, num_threads=threads, prefill_chunk_when_decoding=c) for c in chunks}
+    for llm in llms.values():  # warm: kernels, allocator, and the chunk budget's first decode-only timings
+        llm.generate([filler_ids(llm.tokenizer, 64, 1)], SamplingParams(max_tokens=16, temperature=0.0))
+    rows = {c: [] for c in chunks}
+    for r in range(rounds):
+        for c, llm in llms.items():
+            rows[c].append(burst(llm, n, 200, 64))
+            m = rows[c][-1]
+            print(f"round {r + 1}, chunk {c or 'auto'}: {m['wall']:.1f} s, {m['tok_s']:.1f} tok/s, "
+                  f"TTFT {m['ttft']:.2f} s, ITL p99 {1000 * m['itl_p99']:.0f} ms, {m['steps']} steps", flush=True)
+    print("\n| prompt tokens per step while decoding | wall s | output tok/s | mean TTFT s | ITL p99 ms | steps |\n"
+          "|---|---:|---:|---:|---:|---:|")
+    for c, ms in rows.items():
+        med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+        label = "auto (max_itl_factor)" if c == 0 else f"fixed {c}"
+        print(f"| {label} | {med['wall']:.1f} | {med['tok_s']:.1f} | {med['ttft']:.2f} | "
+              f"{1000 * med['itl_p99']:.0f} | {med['steps']:.0f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="1,2,3")
@@ -166,6 +217,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--itl-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--burst-requests", type=int, default=32)
+    ap.add_argument("--burst-chunks", default="0,512", help="prefill_chunk_when_decoding values (0 = auto)")
     # Part 1 runs sudu once per format listed: its default (auto: int4 for the GGUF checkpoint) and float32,
     # the same weights as transformers (isolating the engine: batching, caching, scheduling). Parts 2-3
     # use the first.
@@ -173,6 +226,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     parts = {int(p) for p in args.parts.split(",")}
+    if 4 in parts:
+        part_burst([int(c) for c in args.burst_chunks.split(",")], args.threads, args.burst_requests, args.repeat)
+        if parts == {4}:
+            return
     llms = {}
     for q in args.quantization.split(","):
         engine = LLM(MODEL, num_threads=args.threads, quantization=q, max_num_seqs=64)

@@ -39,7 +39,8 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in the running batch
     max_num_batched_tokens: int = 512  # tokens per forward pass (prefill chunks + decodes)
     # prompt tokens per step while others decode (bounds their ITL); 0 = auto: sized from measured step
-    # times so a step carrying a prompt chunk costs at most max_itl_factor x a decode-only step
+    # times so a step carrying one prompt's chunk costs at most max_itl_factor x a decode-only step (the
+    # allowance is per prompt in flight: engine/scheduler.py ChunkBudget)
     prefill_chunk_when_decoding: int = 0
     max_itl_factor: float = 2.0
     enable_prefix_caching: bool = True

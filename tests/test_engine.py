@@ -338,13 +338,14 @@ def test_gemma_sliding_layers_keep_only_their_window(llms, tiny_model_dirs):
 
 def test_auto_chunk_budget_keeps_mixed_steps_within_the_itl_factor():
     """prefill_chunk_when_decoding = 0 (auto): the chunk is sized from measured step times so a mixed step
-    costs about max_itl_factor x a decode-only step, and follows the per-token cost as it changes."""
+    costs about max_itl_factor x a decode-only step per prompt in flight, and follows the per-token cost as
+    it changes."""
     from sudu.engine.scheduler import ChunkBudget
 
     b = ChunkBudget(0, ceiling=512, itl_factor=2.5, alpha=1.0)
-    # nothing timed yet (a batch queued from the start): a fixed chunk, scaled by the queue
-    assert b.tokens(num_decoding=2, num_prefilling=1) == ChunkBudget.UNMEASURED
-    assert b.tokens(num_decoding=2, num_prefilling=6) == 3 * ChunkBudget.UNMEASURED
+    # nothing timed yet (a batch queued from the start): a fixed chunk per prompt in flight
+    assert b.tokens(num_decoding=4, num_prefilling=1) == ChunkBudget.UNMEASURED
+    assert b.tokens(num_decoding=4, num_prefilling=3) == 3 * ChunkBudget.UNMEASURED
     b.observe(num_decodes=0, num_prefill_tokens=512, seconds=9.0)  # prefill alone: no decoder to protect
     assert b.tokens() == ChunkBudget.UNMEASURED
     b.observe(num_decodes=4, num_prefill_tokens=0, seconds=0.040)
@@ -359,7 +360,13 @@ def test_auto_chunk_budget_keeps_mixed_steps_within_the_itl_factor():
     assert b.tokens() == ChunkBudget.FLOOR  # never starves the prompt
     b.observe(num_decodes=4, num_prefill_tokens=15, seconds=0.040 + 15 * 0.004)
     assert b.tokens(num_decoding=4, num_prefilling=1) == 15
-    # a queue: 40 prompts waiting behind 4 decoders get 10x the allowance (capped by the step budget)
-    assert b.tokens(num_decoding=4, num_prefilling=40) == 150
-    assert b.tokens(num_decoding=1, num_prefilling=400) == 512
+    # a queue: each prompt in flight brings its own allowance (capped by the step budget)
+    assert b.tokens(num_decoding=4, num_prefilling=10) == 150
+    assert b.tokens(num_decoding=4, num_prefilling=400) == 512
+    # more decoders than the timed decode-only steps had (a burst admitted with no decode-only step since):
+    # their rows are charged at the measured per-row cost, in the estimate and in the undisturbed step
+    b.observe(num_decodes=14, num_prefill_tokens=10, seconds=0.040 + 20 * 0.004)
+    assert b.per_token_s == pytest.approx(0.004)
+    assert b.decode_step_s(14) == pytest.approx(0.040 + 10 * 0.004)
+    assert b.tokens(num_decoding=14, num_prefilling=1) == 30  # (2.5 - 1) * 80 ms / 4 ms
     assert ChunkBudget(48, ceiling=512).tokens(1, 100) == 48  # a fixed setting is used as is

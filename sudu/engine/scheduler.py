@@ -38,13 +38,18 @@ class ChunkBudget:
     chunk at a time so it cannot stretch the decoders' inter-token latency (ITL).
 
     fixed > 0: that many tokens. fixed == 0 ("auto"): sized from measured step times, so that a step
-    carrying prompt chunks costs about `itl_factor` times a decode-only step: each decoder's ITL stays
-    within that factor of its undisturbed value on any machine and model. The allowance is per decoding
-    sequence, and prompts waiting to start get the same weight: while more sequences wait for their
-    prompt than decode (a queue of requests, offline batches), the allowance grows by that ratio, so
-    a few early decoders cannot starve the queue (TTFT) and throughput. Two exponential moving averages
-    feed it: the decode-only step time, and the extra seconds per prompt token in mixed steps (which
-    grows with the prompt's context, as its attention does)."""
+    carrying one prompt's chunk costs about `itl_factor` times a decode-only step: each decoder's ITL stays
+    within that factor of its undisturbed value on any machine and model. The allowance is per prompt in
+    flight (waiting to start or partly computed): P prompts together may stretch a step to
+    1 + (itl_factor - 1) * P decode steps, so a queue drains as fast as each of its prompts would alone
+    among the decoders. Sharing one allowance among the queue instead (or per decoder) keeps the steps
+    small while many prompts wait: every step then re-reads the weights for a few rows, and the queued
+    requests, which have no token yet, wait longer than any decoder's stretched ITL (measured:
+    docs/benchmarks.md). Exponential moving averages feed it: the decode-only step time and its batch size,
+    and the extra seconds per row in mixed steps (which grows with the prompt's context, as its attention
+    does). A mixed step's rows beyond the timed decode-only batch (more decoders than then, and the prompt
+    tokens) are charged that per-row cost, so the undisturbed step of a batch that grew while prompts
+    were being computed, with no decode-only step in between (a burst), is not underestimated."""
 
     INITIAL = 16  # tokens, from the first decode-only step until the first mixed step has been timed
     UNMEASURED = 48  # tokens per step (times the queue pressure) before any decode-only step
@@ -56,21 +61,27 @@ class ChunkBudget:
         self.itl_factor = itl_factor
         self.alpha = alpha
         self.decode_s: float | None = None
+        self.decode_rows: float | None = None  # decoders in the timed decode-only steps
         self.per_token_s: float | None = None
 
+    def decode_step_s(self, num_decoding: int) -> float:
+        """The estimated decode-only step time with num_decoding decoders."""
+        extra_rows = max(num_decoding - self.decode_rows, 0.0)
+        return self.decode_s + extra_rows * (self.per_token_s or 0.0)
+
     def tokens(self, num_decoding: int = 1, num_prefilling: int = 1) -> int:
-        """The budget for a step with num_decoding decoding sequences and num_prefilling sequences whose
-        prompt is still (partly) to compute, admitted or waiting."""
+        """The budget for a step with num_decoding decoders and num_prefilling sequences whose prompt is
+        still (partly) to compute, admitted or waiting."""
         if self.fixed:
             return min(self.fixed, self.ceiling)
-        pressure = max(1.0, num_prefilling / max(num_decoding, 1))
+        pressure = max(1, num_prefilling)
         if self.decode_s is None:
             # no decode-only step yet: prompts have been queued since the start (a batch), so there is no
-            # undisturbed ITL to protect; a fixed chunk per decoder, scaled by the queue
+            # undisturbed ITL to protect; a fixed chunk per prompt in flight
             return max(self.FLOOR, min(int(self.UNMEASURED * pressure), self.ceiling))
         if self.per_token_s is None:
-            return min(self.INITIAL, self.ceiling)
-        n = int((self.itl_factor - 1.0) * pressure * self.decode_s / max(self.per_token_s, 1e-9))
+            return min(self.INITIAL * pressure, self.ceiling)
+        n = int((self.itl_factor - 1.0) * pressure * self.decode_step_s(num_decoding) / max(self.per_token_s, 1e-9))
         return max(self.FLOOR, min(n, self.ceiling))
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -82,9 +93,11 @@ class ChunkBudget:
             return  # prefill-only steps say nothing about anyone's ITL
         if num_prefill_tokens == 0:
             self.decode_s = self._ema(self.decode_s, seconds)
+            self.decode_rows = self._ema(self.decode_rows, float(num_decodes))
         elif self.decode_s is not None:
             extra = max(seconds - self.decode_s, 0.0)
-            self.per_token_s = self._ema(self.per_token_s, extra / num_prefill_tokens)
+            rows = num_prefill_tokens + max(num_decodes - self.decode_rows, 0.0)
+            self.per_token_s = self._ema(self.per_token_s, extra / rows)
 
 
 class Scheduler:
