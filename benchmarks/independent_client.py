@@ -35,10 +35,11 @@ def one_request(client: httpx.Client, base: str, model: str, prompt: str, max_to
     return (tokens - 1) / (last - first)
 
 
-def decode_speeds(base: str, model: str, prompts: list[str], max_tokens: int) -> list[float]:
+def decode_speeds(base: str, model: str, prompts: list[str], max_tokens: int, warm: bool = True) -> list[float]:
     # a new connection per request: llama-server's build here drops a kept-alive connection's next request
     with httpx.Client(timeout=600, headers={"Connection": "close"}) as client:
-        one_request(client, base, model, prompts[0], 8)  # warm-up
+        if warm:
+            one_request(client, base, model, prompts[0], 8)
         speeds = [one_request(client, base, model, p, max_tokens) for p in prompts]
     return [s for s in speeds if s is not None]
 

@@ -6,10 +6,13 @@ slots of 1,024 tokens: llama-server's -c, sudu's --kv-cache-memory for as many t
 each one's resident set is read from /proc after loading and after all the runs. Prints a table of sudu / llama-server ratios
 with their bootstrap 95% CIs (from `sudu bench compare`), and, as a check on the measuring client,
 sudu bench's decode speed next to an independent minimal client's (benchmarks/independent_client.py)
-on each server.
+on each server. Last, both servers run at once (each idle while the other serves) and the independent
+client sends each prompt to both, in alternating order: the single-stream decode ratio from pairs a few
+seconds apart, which the VM's drift over minutes does not move.
 
     python benchmarks/llama_server.py --build          # once: llama-server with AVX-512, without AMX
     python benchmarks/vs_llama_server.py [--model qwen2.5-coder-0.5b-instruct] [--threads 2] [--out DIR]
+                                         [--parts runs,interleaved]
 
 Reports of every run stay in --out (JSON, Markdown) for `sudu bench compare`.
 """
@@ -19,6 +22,7 @@ import argparse
 import glob
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -129,6 +133,28 @@ def client_check(reports: dict) -> str:
     return f"sudu bench {bench:.2f} tok/s, independent client {independent:.2f} tok/s ({bench / independent - 1:+.1%})"
 
 
+def interleaved(urls: dict[str, str], model: str, n: int, max_tokens: int) -> str:
+    """The independent client's decode speed on both servers, prompt by prompt, alternating which goes
+    first: the median of the per-prompt sudu / llama-server ratios, with a bootstrap 95% CI."""
+
+    prompts = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(n)]
+    for url in urls.values():
+        independent_client.decode_speeds(url, model, prompts[:1], 8)  # warm-up
+    speeds = {side: [] for side in urls}
+    for i, prompt in enumerate(prompts):
+        order = list(urls) if i % 2 == 0 else list(reversed(urls))
+        for side in order:
+            got = independent_client.decode_speeds(urls[side], model, [prompt], max_tokens, warm=False)
+            speeds[side].append(got[0] if got else float("nan"))
+    ratios = [a / b for a, b in zip(speeds["sudu"], speeds["llama-server"]) if a == a and b == b]
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    med = {side: statistics.median(v) for side, v in speeds.items()}
+    return (f"sudu {med['sudu']:.1f} tok/s, llama-server {med['llama-server']:.1f} tok/s; per-prompt ratio "
+            f"median {statistics.median(ratios):.2f}x [{boot[50]:.2f}, {boot[1949]:.2f}] over {len(ratios)} pairs, "
+            f"range {min(ratios):.2f}-{max(ratios):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=MODEL)
@@ -140,7 +166,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="sudu's KV pool format (auto: the engine's choice)")
     parser.add_argument("--peer-first", action="store_true",
                         help="measure llama-server first (run both orders: the VM's speed drifts over minutes)")
+    parser.add_argument("--parts", default="runs,interleaved")
+    parser.add_argument("--n-interleaved", type=int, default=20, help="prompts sent to both servers, alternating")
     args = parser.parse_args()
+    parts = args.parts.split(",")
     binary = llama_server.require(args.llama_dir)
     from sudu.weights.catalog import resolve_model_path
 
@@ -160,6 +189,10 @@ def main() -> None:
                                       # suite's 512-token prompts with their chat template and answer
                                       str(SLOTS * 1024)],
     }
+    if "interleaved" in parts and "runs" not in parts:
+        print("independent client, both servers up, prompts alternating:",
+              both_up(sides, args, lambda urls: interleaved(urls, args.model, args.n_interleaved, args.max_tokens)))
+        return
     for side in (("llama-server", "sudu") if args.peer_first else ("sudu", "llama-server")):
         command = sides[side]
         port = free_port()
@@ -185,6 +218,23 @@ def main() -> None:
     print("\nmeasuring client vs an independent minimal client (per-request decode speed, median):")
     for side in sides:
         print(f"  {side}: {client_check(results[side])}")
+    if "interleaved" in parts:
+        print("independent client, both servers up, prompts alternating:",
+              both_up(sides, args, lambda urls: interleaved(urls, args.model, args.n_interleaved, args.max_tokens)))
+
+
+def both_up(sides: dict, args, fn):
+    """fn({side: url}) with both servers running."""
+    procs, urls = [], {}
+    try:
+        for side, command in sides.items():
+            port = free_port()
+            procs.append(start(side, command(port), port, args.out))
+            urls[side] = f"http://127.0.0.1:{port}/v1"
+        return fn(urls)
+    finally:
+        for proc in procs:
+            stop_server(proc)
 
 
 if __name__ == "__main__":
