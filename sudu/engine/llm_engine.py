@@ -287,8 +287,10 @@ class LLMEngine:
             for seq in plain + [s.seq for s, _ in speculated]:
                 if seq.grammar is not None and not seq.is_finished:
                     self._guarded(seq, touched, lambda seq=seq: self._append_forced(seq), now)
-        self.scheduler.chunk_budget.observe(batch.num_decodes, batch.num_prefill_tokens,
-                                            time.perf_counter() - batch.started_at)
+        elapsed = time.perf_counter() - batch.started_at
+        self.scheduler.chunk_budget.observe(batch.num_decodes, batch.num_prefill_tokens, elapsed)
+        if self.speculator is not None and batch.num_decodes and not batch.num_prefill_tokens:
+            self.speculator.step_done(sum(s.num_new_tokens for s in batch.scheduled), elapsed)
 
     def _constrain(self, masks: PendingMasks, plain: list[Sequence], plain_logits: torch.Tensor | None,
                    speculated: list) -> torch.Tensor | None:

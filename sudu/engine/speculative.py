@@ -21,9 +21,12 @@ top-p and min-p applied, so the sampled output keeps exactly that distribution.
 
 Speculator is all the engine sees: `prepare` before the forward pass (the drafter's prompt work, draft
 tokens for decoding sequences, their KV slots), `verify` after it (k + 1 logit rows -> the tokens to
-append), `release` when a sequence ends. SpecController keeps each sequence's draft length adaptive (grow after a full accept, shrink to what
-was accepted after a rejection) and turns speculation off while the batch is larger than
-`speculative_max_batch`, where verifying drafts costs more than it saves.
+append), `release` when a sequence ends. Speculation pauses while the batch is larger than
+`speculative_max_batch`, where verifying drafts costs more than it saves. Below it, a free drafter's
+(n-gram) proposals are cut to the tokens that pay for their verification rows, from the measured cost of
+a row and each sequence's measured acceptance (engine/draft_cost.py); a drafter that pays per token (a
+draft model, MTP) gets SpecController's adaptive length (grow after a full accept, shrink to what was
+accepted after a rejection).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sudu.engine import draft_cost
 from sudu.engine.block_manager import BlockManager
 from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
@@ -100,6 +104,8 @@ def verify_draft(logits: torch.Tensor, draft: Draft, row: SamplingRow, generator
 class NgramDrafter:
     """Prompt-lookup drafting. Each sequence keeps an index from n-gram to the position right after its
     latest occurrence, updated incrementally as tokens arrive."""
+
+    free = True  # proposing costs no model work: only verification rows cost
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
@@ -363,6 +369,10 @@ class Speculator:
     def __init__(self, config, engine, ckpt=None):
         self.drafter = build_drafter(config.speculative, engine, ckpt)
         self.controller = SpecController(draft_len(config), config.speculative_max_batch)
+        # free drafts are cut to what pays for its rows (draft_cost.py); others get the adaptive length
+        self.cost_aware = getattr(self.drafter, "free", False)
+        self.step_cost = draft_cost.StepCost()
+        self.acceptance = draft_cost.Acceptance()
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -378,18 +388,27 @@ class Speculator:
         decoding = [s for s in scheduled if s.samples and 0 < s.num_new_tokens <= s.seq.num_output_tokens]
         if not decoding or not self.controller.active(num_running):
             return {}
-        spare = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        rows = sum(s.num_new_tokens for s in scheduled)
+        spare = self.max_num_batched_tokens - rows
         ks = []
         for s in decoding:
             # the step stays in the few-new-token attention path (row numbers independent of the step's size)
             k = max(0, min(self.controller.draft_len(s.seq), spare, SMALL_Q - s.num_new_tokens))
             spare -= k
             ks.append(k)
-        drafts = {}
-        for s, d in zip(decoding, self.drafter.propose([s.seq for s in decoding], ks)):
+        proposals = self.drafter.propose([s.seq for s in decoding], ks)
+        for i, (s, d) in enumerate(zip(decoding, proposals)):
             if s.seq.grammar is not None:  # structured output: cut at the first token the grammar rejects
                 kept = cut_draft(s.seq.grammar, d.token_ids)
-                d = Draft(d.token_ids[:kept], d.probs[:kept] if d.probs is not None else None)
+                proposals[i] = Draft(d.token_ids[:kept], d.probs[:kept] if d.probs is not None else None)
+        if self.cost_aware:
+            keep = draft_cost.keep_lengths([len(d.token_ids) for d in proposals],
+                                           [self.acceptance.rate(s.seq.seq_id) for s in decoding],
+                                           self.step_cost.fit(), rows, len(decoding))
+            proposals = [Draft(d.token_ids[:k], d.probs[:k] if d.probs is not None else None)
+                         for d, k in zip(proposals, keep)]
+        drafts = {}
+        for s, d in zip(decoding, proposals):
             n = s.num_new_tokens + len(d.token_ids)
             if d.token_ids and block_manager.can_allocate(s.seq, n):
                 block_manager.allocate(s.seq, n)
@@ -397,6 +416,10 @@ class Speculator:
                 s.draft_token_ids = d.token_ids
                 drafts[s.seq.seq_id] = d
         return drafts
+
+    def step_done(self, rows: int, seconds: float) -> None:
+        """A decode step's rows (drafts included) and wall time: the cost of a verification row."""
+        self.step_cost.observe(rows, seconds)
 
     def observe(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor | None) -> None:
         """After the target's forward pass: its hidden states, for a drafter that reads them (MTP)."""
@@ -416,6 +439,7 @@ class Speculator:
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.controller.update(seq, num_drafted, num_accepted)
+        self.acceptance.update(seq.seq_id, num_drafted, num_accepted)
         raw = torch.log_softmax(logits, -1) if seq.params.logprobs is not None else None
         tokens = []
         for i, token in enumerate(accepted):
@@ -431,3 +455,4 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         self.drafter.release(seq)
         self.controller.release(seq)
+        self.acceptance.release(seq.seq_id)
