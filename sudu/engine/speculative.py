@@ -49,6 +49,10 @@ class Draft:
     token_ids: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [len, vocab] draft distribution; None -> point masses (n-gram)
 
+    def head(self, k: int) -> Draft:
+        """The first k tokens."""
+        return Draft(self.token_ids[:k], self.probs[:k] if self.probs is not None else None)
+
 
 def _needs_penalties(row: SamplingRow) -> bool:
     p = row.params
@@ -399,14 +403,12 @@ class Speculator:
         proposals = self.drafter.propose([s.seq for s in decoding], ks)
         for i, (s, d) in enumerate(zip(decoding, proposals)):
             if s.seq.grammar is not None:  # structured output: cut at the first token the grammar rejects
-                kept = cut_draft(s.seq.grammar, d.token_ids)
-                proposals[i] = Draft(d.token_ids[:kept], d.probs[:kept] if d.probs is not None else None)
+                proposals[i] = d.head(cut_draft(s.seq.grammar, d.token_ids))
         if self.cost_aware:
             keep = draft_cost.keep_lengths([len(d.token_ids) for d in proposals],
                                            [self.acceptance.rate(s.seq.seq_id) for s in decoding],
                                            self.step_cost.fit(), rows, len(decoding))
-            proposals = [Draft(d.token_ids[:k], d.probs[:k] if d.probs is not None else None)
-                         for d, k in zip(proposals, keep)]
+            proposals = [d.head(k) for d, k in zip(proposals, keep)]
         drafts = {}
         for s, d in zip(decoding, proposals):
             n = s.num_new_tokens + len(d.token_ids)
