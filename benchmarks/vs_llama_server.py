@@ -136,7 +136,6 @@ def client_check(reports: dict) -> str:
 def interleaved(urls: dict[str, str], model: str, n: int, max_tokens: int) -> str:
     """The independent client's decode speed on both servers, prompt by prompt, alternating which goes
     first: the median of the per-prompt sudu / llama-server ratios, with a bootstrap 95% CI."""
-
     prompts = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(n)]
     for url in urls.values():
         independent_client.decode_speeds(url, model, prompts[:1], 8)  # warm-up
@@ -189,9 +188,14 @@ def main() -> None:
                                       # suite's 512-token prompts with their chat template and answer
                                       str(SLOTS * 1024)],
     }
-    if "interleaved" in parts and "runs" not in parts:
+
+    def paired_check() -> None:
         print("independent client, both servers up, prompts alternating:",
               both_up(sides, args, lambda urls: interleaved(urls, args.model, args.n_interleaved, args.max_tokens)))
+
+    if "runs" not in parts:
+        if "interleaved" in parts:
+            paired_check()
         return
     for side in (("llama-server", "sudu") if args.peer_first else ("sudu", "llama-server")):
         command = sides[side]
@@ -219,8 +223,7 @@ def main() -> None:
     for side in sides:
         print(f"  {side}: {client_check(results[side])}")
     if "interleaved" in parts:
-        print("independent client, both servers up, prompts alternating:",
-              both_up(sides, args, lambda urls: interleaved(urls, args.model, args.n_interleaved, args.max_tokens)))
+        paired_check()
 
 
 def both_up(sides: dict, args, fn):

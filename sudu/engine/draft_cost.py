@@ -21,8 +21,6 @@ the sequence has few verifications of its own.
 """
 from __future__ import annotations
 
-import math
-
 
 class StepCost:
     """Decode-step seconds ~ a + b * rows, fit over recent decode steps (weights decay by `retention` per
@@ -97,7 +95,7 @@ def keep_lengths(proposed: list[int], alphas: list[float], step: tuple[float, fl
     offers = sorted(((alpha ** i, s) for s, (n, alpha) in enumerate(zip(proposed, alphas))
                      for i in range(1, n + 1)), key=lambda o: -o[0])
     for gain, s in offers:
-        if gain * seconds < b * tokens or math.isclose(gain, 0.0):
+        if gain * seconds < b * tokens:
             break
         keep[s] += 1
         tokens += gain

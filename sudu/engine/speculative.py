@@ -421,7 +421,8 @@ class Speculator:
 
     def step_done(self, rows: int, seconds: float) -> None:
         """A decode step's rows (drafts included) and wall time: the cost of a verification row."""
-        self.step_cost.observe(rows, seconds)
+        if self.cost_aware:
+            self.step_cost.observe(rows, seconds)
 
     def observe(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor | None) -> None:
         """After the target's forward pass: its hidden states, for a drafter that reads them (MTP)."""
@@ -441,7 +442,8 @@ class Speculator:
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.controller.update(seq, num_drafted, num_accepted)
-        self.acceptance.update(seq.seq_id, num_drafted, num_accepted)
+        if self.cost_aware:
+            self.acceptance.update(seq.seq_id, num_drafted, num_accepted)
         raw = torch.log_softmax(logits, -1) if seq.params.logprobs is not None else None
         tokens = []
         for i, token in enumerate(accepted):
