@@ -35,7 +35,7 @@ def instrument(llm: LLM, times: dict[str, list[float]]) -> None:
     for obj, name, key in ((eng, "_schedule", "schedule"), (eng, "_run", "run"), (eng, "_postprocess", "postprocess"),
                            (eng, "step", "step"), (model, "forward", "forward"), (model, "compute_logits", "head")):
         setattr(obj, name, timed(getattr(obj, name), key, times))
-    if model._native_decode:
+    if getattr(model, "_native_decode", None):
         fn, *rest = model._native_decode
         model._native_decode = (timed(fn, NATIVE, times), *rest)
 

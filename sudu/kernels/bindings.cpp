@@ -29,4 +29,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("shared", &MoeParams::shared);
   m.def("moe_route", &moe_route, "each row's experts (ascending) and weights under a router weight (moe.cpp)");
   m.def("llama_decode", &llama_decode, "a llama-family decode step's decoder stack in one call (decoder.cpp)");
+  m.def("gemma_decode", &gemma_decode, "a Gemma 3 decode step's decoder stack in one call (decoder.cpp)");
 }

@@ -1,8 +1,10 @@
-// A whole llama-family decode step's decoder stack in one call: for steps whose sequences all have a few
-// new tokens (decodes, speculative verification), quantized fused projections and any KV pool.
-// It chains the very functions the Python layers call (qlinear, add_rms_norm, rotary_, the KV write,
-// decode_attention, silu_mul), in the same order, so every row comes out bit for bit as through
-// models/llama.py: what this saves is the ~100 Python-level module calls and dispatches per layer.
+// A whole decode step's decoder stack in one call, for llama-family networks (llama_decode) and Gemma 3
+// (gemma_decode): for steps whose sequences all have a few new tokens (decodes, speculative verification),
+// quantized fused projections and any KV pool.
+// It chains the very functions the Python layers call (qlinear, rms_norm, add_rms_norm, rotary_, the KV
+// write, decode_attention, silu_mul or gelu), in the same order, so every row comes out bit for bit as
+// through models/llama.py or models/gemma3.py: what this saves is the ~100 Python-level module calls and
+// dispatches per layer.
 // The KV pools are float32, float16, bfloat16, or int8 with per-channel scales (layers/kv_cache.py).
 #include "kernels.h"
 
@@ -125,4 +127,71 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     at += layer_len(l);
   }
   return std::get<1>(add_rms_norm(residual, x, final_norm, eps));
+}
+
+namespace {
+
+constexpr size_t GEMMA_PER_LAYER = 14;  // the weights of one Gemma layer, in the order of gemma_decode's comment
+
+// An attention view's tensors as gemma_decode takes them: slot_mapping, rows, slots, mask.
+struct View {
+  const torch::Tensor &slot_mapping, &rows, &slots, &mask;
+};
+
+View view_of(const std::vector<torch::Tensor>& v) {
+  TORCH_CHECK(v.size() == 4, "gemma_decode: a view is slot_mapping, rows, slots, mask");
+  return {v[0], v[1], v[2], v[3]};
+}
+
+}  // namespace
+
+// models/gemma3.py's decoder stack. x: [T, hidden] scaled embeddings of the step's tokens. weights: per layer,
+// 14 tensors: the input norm's weight; qkv tiles, bias; the q norm's and k norm's weights; o tiles, bias; the
+// post-attention and pre-feed-forward norms' weights; gate_up tiles, bias; down tiles, bias; the
+// post-feed-forward norm's weight (every norm weight as the kernel multiplies by: 1 + w). sliding[l]: layer l
+// attends through sliding_view with the local RoPE table, else through full_view with the global one; a view
+// is {slot_mapping, rows, slots, mask} of its AttentionView's decode batch. The MLP is
+// down(gelu_tanh(gate) * up). Returns the final norm of the residual stream [T, hidden].
+torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
+                           std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
+                           std::vector<torch::Tensor> v_scales, std::vector<int64_t> sliding,
+                           std::vector<torch::Tensor> full_view, std::vector<torch::Tensor> sliding_view,
+                           torch::Tensor cos_global, torch::Tensor sin_global, torch::Tensor cos_local,
+                           torch::Tensor sin_local, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                           double scale, torch::Tensor final_norm) {
+  const size_t L = k_caches.size();
+  TORCH_CHECK(v_caches.size() == L && k_scales.size() == L && v_scales.size() == L && sliding.size() == L &&
+                  weights.size() == L * GEMMA_PER_LAYER,
+              "gemma_decode: bad weight, pool or layer list");
+  const View full = view_of(full_view), local = view_of(sliding_view);
+  const int64_t T = x.size(0), H = heads, Hk = kv_heads, D = head_dim;
+  torch::Tensor residual, h, delta;
+  for (size_t l = 0; l < L; ++l) {
+    const auto& w = weights;
+    const size_t at = l * GEMMA_PER_LAYER;
+    if (l == 0) {
+      residual = x;
+      h = rms_norm(x, w[at], eps);
+    } else {
+      std::tie(residual, h) = add_rms_norm(residual, delta, w[at], eps);
+    }
+    auto qkv = linear(h, w, at + 1).view({T, H + 2 * Hk, D});
+    auto q = rms_norm(qkv.narrow(1, 0, H).reshape({T * H, D}).contiguous(), w[at + 3], eps).view({T, H, D});
+    auto k = rms_norm(qkv.narrow(1, H, Hk).reshape({T * Hk, D}).contiguous(), w[at + 4], eps).view({T, Hk, D});
+    auto qk = torch::cat({q, k}, 1);
+    const View& v = sliding[l] ? local : full;
+    rotary_(qk, sliding[l] ? cos_local : cos_global, sliding[l] ? sin_local : sin_global, H + Hk);
+    write_kv(k_caches[l], v.slot_mapping, qk.narrow(1, H, Hk), k_scales[l]);
+    write_kv(v_caches[l], v.slot_mapping, qkv.narrow(1, H + Hk, Hk), v_scales[l]);
+    auto att = torch::empty({T, H, D}, x.options());
+    decode_attention(qk.narrow(1, 0, H), k_caches[l], v_caches[l], k_scales[l], v_scales[l], v.rows, v.slots, v.mask,
+                     scale, att);
+    auto o = linear(att.view({T, H * D}), w, at + 5);
+    std::tie(residual, h) = add_rms_norm(residual, rms_norm(o, w[at + 7], eps), w[at + 8], eps);
+    auto gate_up = linear(h, w, at + 9);
+    const int64_t I = gate_up.size(1) / 2;
+    auto act = torch::gelu(gate_up.narrow(1, 0, I), "tanh") * gate_up.narrow(1, I, I);
+    delta = rms_norm(linear(act, w, at + 11), w[at + 13], eps);
+  }
+  return std::get<1>(add_rms_norm(residual, delta, final_norm, eps));
 }

@@ -1,16 +1,20 @@
 """Gemma 3 text decoder: interleaved sliding-window (local) and global attention layers, q/k RMSNorm,
 sandwich norms around attention and MLP, embeddings scaled by sqrt(hidden_size), separate RoPE bases
-for local and global layers. Network only."""
+for local and global layers. Network only; decode steps of few-new-token sequences take the one-call native
+stack (kernels/decoder.cpp gemma_decode), which chains the same functions as the layers below."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from sudu import kernels
+from sudu.layers import linear
 from sudu.layers.attention import AttentionMetadata, QKVProjections, paged_attention
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
-from sudu.layers.rotary import RotaryEmbedding, apply_rotary
+from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
 from sudu.models.config import ModelConfig
+from sudu.models.llama import decode_view, native_pools, native_step
 
 
 class Gemma3Attention(QKVProjections, nn.Module):
@@ -33,9 +37,8 @@ class Gemma3Attention(QKVProjections, nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T, H, Hk = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.project_qkv(x).view(T, H + 2 * Hk, self.head_dim)
-        q, k, v = self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + Hk]), qkv[:, H + Hk:]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, self.layer_idx, meta, self.scale, sliding=self.sliding)
+        qk = rotate_heads_(torch.cat([self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + Hk])], dim=1), H + Hk, cos, sin)
+        o = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hk:], self.layer_idx, meta, self.scale, sliding=self.sliding)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -51,10 +54,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
 
-    def forward(self, x, rope_global, rope_local, meta):
+    def forward(self, delta, residual, rope_global, rope_local, meta):
+        """(delta, residual): the previous layer's output before its residual add (residual None: delta is the
+        embeddings). Returns this layer's (delta, residual)."""
         cos, sin = rope_local if self.sliding else rope_global
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if residual is None:
+            residual, x = delta, self.input_layernorm(delta)
+        else:
+            residual, x = self.input_layernorm.add_forward(residual, delta)
+        attn = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta))
+        residual, x = self.pre_feedforward_layernorm.add_forward(residual, attn)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -77,6 +87,51 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary_global = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, n, cfg.rope_scaling_factor)
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_base_freq or 10000.0, n)
         self.embed_scale = cfg.hidden_size ** 0.5
+        self._native_decode = None  # (kernels gemma_decode, its weight list, sliding flags): prepare_native_decode
+
+    def prepare_native_decode(self) -> None:
+        """After quantization and fusion (engine/model_runner.py prepare_network): collect the weights of
+        kernels/decoder.cpp's gemma_decode, which steps of few-new-token sequences then take. It applies to
+        quantized fused projections whose outputs are whole tiles, the tanh-GELU MLP and float32 norms;
+        otherwise every step stays on the layers below."""
+        self._native_decode = None
+        ext = kernels.load()
+        norm = self.model.norm
+        if (ext is None or not norm.weight.is_cpu or norm.weight.dtype != torch.float32
+                or self.config.hidden_act != "gelu_pytorch_tanh"):
+            return
+
+        def quantized(p) -> list[torch.Tensor] | None:
+            if not (isinstance(p, linear.QuantizedLinear) and p.fits_native_stack()):
+                return None
+            return [p.qweight, p.bias if p.bias is not None else torch.empty(0)]
+
+        weights, sliding = [], []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [quantized(getattr(attn, "qkv_proj", None)), quantized(attn.o_proj),
+                     quantized(mlp.gate_up_proj), quantized(mlp.down_proj)]
+            if None in parts or attn.head_dim % 8:
+                return
+            qkv, o, gate_up, down = parts
+            # the order decoder.cpp reads; each norm's weight as its kernel multiplies by (1 + w)
+            weights += [layer.input_layernorm._native_weight(), *qkv, attn.q_norm._native_weight(),
+                        attn.k_norm._native_weight(), *o, layer.post_attention_layernorm._native_weight(),
+                        layer.pre_feedforward_layernorm._native_weight(), *gate_up, *down,
+                        layer.post_feedforward_layernorm._native_weight()]
+            sliding.append(int(layer.sliding))
+        self._native_decode = (ext.gemma_decode, weights, sliding)
+
+    def _decode_natively(self, x, rope_global, rope_local, meta: AttentionMetadata) -> torch.Tensor | None:
+        native = self._native_decode
+        local = meta.sliding if meta.sliding is not None else meta.full
+        if native is None or not native_step(x, [meta.full, local], meta.kv_caches):
+            return None
+        fn, weights, sliding = native
+        attn = self.model.layers[0].self_attn
+        return fn(x, weights, *native_pools(meta.kv_caches), sliding, decode_view(meta.full), decode_view(local),
+                  *rope_global, *rope_local, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.model.norm.eps,
+                  attn.scale, self.model.norm._native_weight())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -84,9 +139,13 @@ class Gemma3ForCausalLM(nn.Module):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope_global = self.rotary_global.lookup(positions, x.dtype)
         rope_local = self.rotary_local.lookup(positions, x.dtype)
+        out = self._decode_natively(x, rope_global, rope_local, meta)
+        if out is not None:
+            return out
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, rope_global, rope_local, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope_global, rope_local, meta)
+        return self.model.norm.add_forward(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

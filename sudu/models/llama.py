@@ -18,6 +18,27 @@ from sudu.models.config import ModelConfig
 _NO_SCALE = torch.empty(0)  # a float32 pool's place in the native stack's scale lists
 
 
+def native_step(x: torch.Tensor, views: list, caches: list[KVCache]) -> bool:
+    """Whether a step can take a one-call native decode stack (kernels/decoder.cpp): float32 rows, fewer than a
+    prompt's, every sequence of every view few-new-token (attended by the native kernel), and pools it reads."""
+    return (x.dtype == torch.float32 and x.shape[0] < linear.PREFILL_MIN_ROWS
+            and all(v.decode is not None and not v.seqs and v.decode.rows.shape[1] <= NATIVE_MAX_Q for v in views)
+            and all(type(c) is Int8KVCache or (type(c) is KVCache and c.k.dtype in NATIVE_POOL_DTYPES) for c in caches))
+
+
+def native_pools(caches: list[KVCache]) -> tuple[list, list, list, list]:
+    """The native stack's pool lists: K pools, V pools, K scales, V scales (empty tensors for float pools)."""
+    return ([c.k for c in caches], [c.v for c in caches],
+            [c.k_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches],
+            [c.v_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches])
+
+
+def decode_view(view) -> list[torch.Tensor]:
+    """A view's decode batch as the native stack takes it: slot_mapping, rows, slots, mask."""
+    d = view.decode
+    return [view.slot_mapping, d.rows, d.slots, d.mask[:, 0]]
+
+
 def vars_of(params) -> tuple:
     return (params.top_k, params.norm_topk, params.scaling, params.sigmoid, params.shared)
 
@@ -153,20 +174,12 @@ class LlamaForCausalLM(nn.Module):
         """The one-call native stack for a step of few-new-token sequences over the KV pools the attention kernel
         reads (layers/kv_cache.py NATIVE_POOL_DTYPES), or None."""
         native = self._native_decode
-        view, d = meta.full, meta.full.decode
-        if (native is None or x.dtype != torch.float32 or x.shape[0] >= linear.PREFILL_MIN_ROWS or d is None
-                or view.seqs or meta.sliding is not None or d.rows.shape[1] > NATIVE_MAX_Q
-                or not all(type(c) is Int8KVCache or (type(c) is KVCache and c.k.dtype in NATIVE_POOL_DTYPES)
-                           for c in meta.kv_caches)):
+        if native is None or meta.sliding is not None or not native_step(x, [meta.full], meta.kv_caches):
             return None
         fn, weights, experts, moe = native
         attn = self.model.layers[0].self_attn
-        caches = meta.kv_caches
-        k_scales = [c.k_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches]
-        v_scales = [c.v_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches]
-        return fn(x, weights, [c.k for c in caches], [c.v for c in caches], k_scales, v_scales, view.slot_mapping, d.rows,
-                  d.slots, d.mask[:, 0], cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                  self.model.norm.eps, attn.scale, self.model.norm.weight, experts, moe)
+        return fn(x, weights, *native_pools(meta.kv_caches), *decode_view(meta.full), cos, sin, attn.num_heads,
+                  attn.num_kv_heads, attn.head_dim, self.model.norm.eps, attn.scale, self.model.norm.weight, experts, moe)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] (all sequences' new tokens, flat). Returns final hidden states [T, hidden]."""
