@@ -133,9 +133,12 @@ def client_check(reports: dict) -> str:
     return f"sudu bench {bench:.2f} tok/s, independent client {independent:.2f} tok/s ({bench / independent - 1:+.1%})"
 
 
-def interleaved(urls: dict[str, str], model: str, n: int, max_tokens: int) -> str:
+def interleaved(urls: dict[str, str], model: str, n: int, max_tokens: int, settle: float) -> str:
     """The independent client's decode speed on both servers, prompt by prompt, alternating which goes
-    first: the median of the per-prompt sudu / llama-server ratios, with a bootstrap 95% CI."""
+    first: the median of the per-prompt sudu / llama-server ratios, with a bootstrap 95% CI. Each request
+    starts `settle` seconds after the last one ended: the server that just answered finishes its own
+    after-request work (threads still spinning, cache bookkeeping) before the other one's request, not
+    during it, on a machine whose cores both servers share."""
     prompts = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(n)]
     for url in urls.values():
         independent_client.decode_speeds(url, model, prompts[:1], 8)  # warm-up
@@ -143,6 +146,7 @@ def interleaved(urls: dict[str, str], model: str, n: int, max_tokens: int) -> st
     for i, prompt in enumerate(prompts):
         order = list(urls) if i % 2 == 0 else list(reversed(urls))
         for side in order:
+            time.sleep(settle)
             got = independent_client.decode_speeds(urls[side], model, [prompt], max_tokens, warm=False)
             speeds[side].append(got[0] if got else float("nan"))
     ratios = [a / b for a, b in zip(speeds["sudu"], speeds["llama-server"]) if a == a and b == b]
@@ -167,6 +171,7 @@ def main() -> None:
                         help="measure llama-server first (run both orders: the VM's speed drifts over minutes)")
     parser.add_argument("--parts", default="runs,interleaved")
     parser.add_argument("--n-interleaved", type=int, default=20, help="prompts sent to both servers, alternating")
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds between the interleaved requests")
     args = parser.parse_args()
     parts = args.parts.split(",")
     binary = llama_server.require(args.llama_dir)
@@ -191,7 +196,8 @@ def main() -> None:
 
     def paired_check() -> None:
         print("independent client, both servers up, prompts alternating:",
-              both_up(sides, args, lambda urls: interleaved(urls, args.model, args.n_interleaved, args.max_tokens)))
+              both_up(sides, args, lambda urls: interleaved(urls, args.model, args.n_interleaved, args.max_tokens,
+                                                                args.settle)))
 
     if "runs" not in parts:
         if "interleaved" in parts:
