@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto", help="sudu's weight format (auto: its default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, num_threads=args.threads, quantization=args.quantization)
+    llm = LLM(args.model, speculative="none", num_threads=args.threads, quantization=args.quantization)
     prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     hf, _ = load_hf(args.model)
     rows = {"sudu": [], "transformers": []}

@@ -190,7 +190,7 @@ def burst(llm: LLM, n: int, prompt_tokens: int, out_tokens: int) -> dict:
 def part_burst(chunks: list[int], threads: int, n: int, rounds: int) -> None:
     print(f"\n## 4. a burst of {n} requests arriving at once (~200-token prompts, 64 tokens out), "
           f"{rounds} alternating rounds", flush=True)
-    llms = {c: LLM(MODEL, num_threads=threads, prefill_chunk_when_decoding=c) for c in chunks}
+    llms = {c: LLM(MODEL, speculative="none", num_threads=threads, prefill_chunk_when_decoding=c) for c in chunks}
     for llm in llms.values():  # warm: kernels, allocator, and the chunk budget's first decode-only timings
         llm.generate([filler_ids(llm.tokenizer, 64, 1)], SamplingParams(max_tokens=16, temperature=0.0))
     rows = {c: [] for c in chunks}
@@ -232,7 +232,7 @@ def main() -> None:
             return
     llms = {}
     for q in args.quantization.split(","):
-        engine = LLM(MODEL, num_threads=args.threads, quantization=q, max_num_seqs=64)
+        engine = LLM(MODEL, speculative="none", num_threads=args.threads, quantization=q, max_num_seqs=64)
         llms[f"{q} ({engine.engine.quantization})"] = engine
     llm = next(iter(llms.values()))
     print(f"model {MODEL}, {args.threads} threads, quantization {', '.join(llms)}, "

@@ -164,8 +164,8 @@ def top2(workdir: Path, tokens: int, rounds: int) -> None:
     from sudu.roofline import bytes_per_token
 
     moe_dir = build_moe_dir(workdir / "moe-top2", top_k=2, router_seed=0)
-    llm = LLM(str(moe_dir), progress=False, quantization="int8", num_threads=2)
-    dense = LLM(DENSE, progress=False, quantization="int8", num_threads=2)
+    llm = LLM(str(moe_dir), speculative="none", progress=False, quantization="int8", num_threads=2)
+    dense = LLM(DENSE, speculative="none", progress=False, quantization="int8", num_threads=2)
     layers = llm.engine.runner.model_cfg.num_hidden_layers
     dense_bytes = bytes_per_token(dense.engine.runner.model_cfg, "int8")
     for m in (llm, dense):

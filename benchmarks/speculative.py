@@ -149,7 +149,7 @@ def compare(name: str, plain: LLM, spec: LLM, prompts: dict, n: int, k: int, dra
 def batch_switch(model: str, prompt_ids: list[int], n: int, sizes: list[int], quantization: str) -> None:
     print("\n## batch size vs n-gram speculation (edit workload, aggregate output tok/s)\n")
     print("| concurrent streams | plain | n-gram | ratio |\n|---|---|---|---|")
-    plain = LLM(model, progress=False, quantization=quantization)
+    plain = LLM(model, speculative="none", progress=False, quantization=quantization)
     spec = LLM(model, progress=False, quantization=quantization, speculative="ngram", speculative_max_batch=10 ** 6)
     for b in sizes:
         rates = []
@@ -171,7 +171,7 @@ def main() -> None:
     torch.set_num_threads(2)
     parts = args.parts.split(",")
     q = args.quantization
-    small = LLM(SMALL, progress=False, quantization=q)
+    small = LLM(SMALL, speculative="none", progress=False, quantization=q)
     prompts = {wl: [small.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
                for wl, texts in WORKLOADS.items()}
     if "ngram" in parts:
@@ -179,7 +179,7 @@ def main() -> None:
         compare(f"n-gram lookup, {SMALL}", small, spec, prompts, args.tokens, spec.engine.spec_controller.max_tokens)
         del spec
     if "draft" in parts:
-        target = LLM(LARGE, progress=False, quantization=q)
+        target = LLM(LARGE, speculative="none", progress=False, quantization=q)
         spec = LLM(LARGE, progress=False, quantization=q, speculative=f"draft:{SMALL}", num_speculative_tokens=args.k)
         compare(f"draft model {SMALL} -> {LARGE}", target, spec, prompts, args.tokens,
                 spec.engine.spec_controller.max_tokens, draft=True)

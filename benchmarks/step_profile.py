@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, progress=False, quantization=args.quantization, num_threads=args.threads)
+    llm = LLM(args.model, speculative="none", progress=False, quantization=args.quantization, num_threads=args.threads)
     times: dict[str, list[float]] = {}
     instrument(llm, times)
     llm.generate(["warm up"] * args.batch, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

@@ -217,7 +217,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     parts = {p.strip() for p in args.parts.split(",")}
-    llm = LLM(MODEL, progress=False, kv_cache_memory=2 << 30)
+    llm = LLM(MODEL, speculative="none", progress=False, kv_cache_memory=2 << 30)
     if "overhead" in parts:
         part_overhead(llm, args.repeats)
     if "speculation" in parts:

@@ -63,7 +63,7 @@ class Sudu:
     def __init__(self, model: str, quantization: str, threads: int, max_seqs: int, kv_cache_dtype: str):
         from sudu.engine.llm import LLM
 
-        self.llm = LLM(model, progress=False, quantization=quantization, num_threads=threads,
+        self.llm = LLM(model, speculative="none", progress=False, quantization=quantization, num_threads=threads,
                        max_num_seqs=max(max_seqs, 1), kv_cache_memory=1 << 30, kv_cache_dtype=kv_cache_dtype)
 
     def _params(self, n):

@@ -49,11 +49,15 @@ class EngineConfig:
     # the Python API), auto = min(10 GiB, 20% of the free space) (`sudu serve`'s default), or bytes (8GiB)
     disk_cache_size: str = "0"
     disk_cache_dir: str | None = None  # None -> $SUDU_HOME/kvcache
-    speculative: str = "none"  # none | ngram | draft:MODEL | mtp (engine/speculative.py)
+    # auto | none | ngram | draft:MODEL | mtp (engine/speculative.py). auto: n-gram lookup for greedy requests
+    # where it is lossless (the CPU kernels: native, int8 or int4 weights), else none
+    speculative: str = "auto"
     # most draft tokens per sequence per step (adapted per sequence); 0 = the drafter's own default:
     # 7 for n-gram lookup (free to draft), 4 for a draft model (measured: docs/benchmarks.md)
     num_speculative_tokens: int = 0
-    speculative_max_batch: int = 8  # speculation pauses while more sequences than this are decoding (measured: docs/benchmarks.md)
+    # speculation pauses while more sequences than this are decoding; 0 = the drafter's own default: 4 for
+    # n-gram lookup, 8 for a draft model or MTP (measured: docs/benchmarks.md)
+    speculative_max_batch: int = 0
     # draft model's output head: only the first N token ids (in BPE merge order, the most frequent) and the
     # special tokens; 0 = the whole vocabulary. Lossless either way (the target verifies every token).
     speculative_draft_vocab: int = 65536
@@ -75,6 +79,8 @@ class EngineConfig:
             # k drafts + 1 verified rows must fit the native attention kernel (NATIVE_MAX_Q = 8), whose rows
             # do not depend on each other: what keeps greedy verification identical to plain decoding
             raise ValueError("num_speculative_tokens must be between 1 and 7 (0 = the drafter's default)")
+        if self.speculative_max_batch < 0:
+            raise ValueError("speculative_max_batch must be >= 0 (0 = the drafter's default)")
         if self.speculative_draft_vocab < 0:
             raise ValueError("speculative_draft_vocab must be >= 0 (0 = the whole vocabulary)")
         if self.quantization not in ("auto", "native", "none", "int8", "int4"):

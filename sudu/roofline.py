@@ -96,7 +96,7 @@ def measure_decode_tok_s(model: str, fmt: str, max_tokens: int = 64, threads: in
     from sudu.sampling import SamplingParams
 
     settings, _, _ = FORMATS[fmt]
-    llm = LLM(model, progress=False, num_threads=threads, **settings)
+    llm = LLM(model, speculative="none", progress=False, num_threads=threads, **settings)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     result = llm.generate(PROMPT + " ", params)[0]

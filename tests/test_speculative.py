@@ -123,6 +123,36 @@ def test_speculation_pauses_above_max_batch(engines):
     assert llm.engine.speculator.num_draft_tokens == before  # 8 decoding > 2: never speculated
 
 
+def test_the_default_drafts_n_gram_for_greedy_requests_on_the_cpu_kernels(tiny_model_dirs, engines):
+    """--speculative auto (the default): n-gram lookup on the CPU kernels' weight formats, paused above 4
+    decoding sequences, for greedy requests only (a seeded sampled request draws as it does without
+    speculation); float weights and CUDA get none; explicit settings stand."""
+    from sudu.config import EngineConfig
+    from sudu.engine.speculative import resolve
+
+    auto, cpu = EngineConfig(), torch.device("cpu")
+    assert auto.speculative == "auto"
+    assert [resolve(auto, cpu, f) for f in ("native", "int8", "int4", "none")] == ["ngram"] * 3 + ["none"]
+    assert resolve(auto, torch.device("cuda"), "none") == "none"
+    assert resolve(EngineConfig(speculative="none"), cpu, "int4") == "none"
+    assert resolve(EngineConfig(speculative="ngram"), cpu, "none") == "ngram"
+
+    llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, quantization="int8")
+    spec = llm.engine.speculator
+    assert spec is not None and spec.greedy_only and spec.controller.max_batch == 4
+    plain = engines("none", quantization="int8")
+    ps = prompts(3, 9)
+    greedy = SamplingParams(max_tokens=24, **GREEDY)
+    before = spec.num_draft_tokens
+    assert [r.token_ids for r in llm.generate(ps, greedy)] == [r.token_ids for r in plain.generate(ps, greedy)]
+    assert spec.num_draft_tokens > before
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+    before = spec.num_draft_tokens
+    assert [r.token_ids for r in llm.generate(ps, sampled)] == [r.token_ids for r in plain.generate(ps, sampled)]
+    assert spec.num_draft_tokens == before
+    assert LLM(str(tiny_model_dirs["qwen2"]), progress=False, quantization="none").engine.speculator is None
+
+
 def test_rejection_sampling_keeps_the_target_distribution():
     """verify_draft's first token, with drafts drawn from q, is distributed as p (20,000 samples)."""
     g = torch.Generator().manual_seed(0)

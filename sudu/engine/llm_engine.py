@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from sudu.config import EngineConfig
 from sudu.cache.context import build_block_manager
-from sudu.engine import kv_choice
+from sudu.engine import kv_choice, speculative
 from sudu.engine.model_runner import ModelRunner, prepare_network
 from sudu.engine.placement import resolve_device, resolve_dtype
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -93,7 +94,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
-        self.speculator = Speculator(config, self, ckpt) if config.speculative != "none" else None
+        drafter = speculative.resolve(config, self.runner.device, self.quantization)
+        self.speculator = (Speculator(dataclasses.replace(config, speculative=drafter), self, ckpt,
+                                      greedy_only=config.speculative == "auto") if drafter != "none" else None)
         ckpt.release_pages()
         release_freed_memory()
         self.memory = memory_report(self)

@@ -10,7 +10,7 @@ argmax on the device (only the ids come back); a sampled row, and a batch with p
 to the host, where the sampler runs exactly as on the CPU (so a seeded request draws with the same CPU
 generators on either device). Not on CUDA yet, refused at load with a clear error:
 - `--quantization native | int8 | int4`: the quantized layers are the CPU kernels' tile layout;
-- `--speculative`: greedy speculation is lossless on the CPU because the kernels compute a row the same way
+- `--speculative` (its default, auto, is none there): greedy speculation is lossless on the CPU because the kernels compute a row the same way
   at any batch size (verifying k tokens = k plain steps, bit for bit); cuBLAS picks kernels by shape, so
   a verified row can differ in the last bits from the plain step's and flip a near-tie.
 """
@@ -53,7 +53,7 @@ def check_supported(config) -> None:
     if config.quantization in ("native", "int8", "int4"):
         raise SuduError(f"--quantization {config.quantization} runs on sudu's CPU kernels only; on {device} use "
                         "--quantization none (or auto), which runs the weights in --dtype")
-    if config.speculative != "none":
+    if config.speculative not in ("none", "auto"):
         raise SuduError(f"--speculative runs on the CPU engine only for now: its greedy identity rests on kernels "
                         f"that compute a row the same way at any batch size, which {device}'s cuBLAS does not "
                         "promise (engine/placement.py)")

@@ -349,6 +349,22 @@ class SpecController:
 DEFAULT_DRAFT_LEN = {"ngram": 7, "draft": 4, "mtp": 3}
 
 
+# Batch sizes above which speculation pauses when speculative_max_batch = 0. n-gram lookup: at 8 decoding
+# streams its verification rows cost about what they gain, and the default-on table lost there in the
+# free-generation, chat and JSON workloads; at 4 and below it gains or breaks even (docs/benchmarks.md,
+# "n-gram on by default"). A draft model or MTP: break-even or better at 8.
+DEFAULT_MAX_BATCH = {"ngram": 4, "draft": 8, "mtp": 8}
+
+
+def resolve(config, device, weight_format: str) -> str:
+    """--speculative auto -> ngram where greedy speculation is lossless and free to draft: the CPU engine
+    on its quantized kernels (native, int8, int4), whose rows compute the same at any batch size; else none.
+    Any other value stands."""
+    if config.speculative != "auto":
+        return config.speculative
+    return "ngram" if device.type == "cpu" and weight_format in ("native", "int8", "int4") else "none"
+
+
 def draft_len(config) -> int:
     """The most draft tokens per sequence per step: the setting, or the drafter's default."""
     return config.num_speculative_tokens or DEFAULT_DRAFT_LEN[config.speculative.split(":")[0]]
@@ -370,9 +386,14 @@ def build_drafter(spec: str, engine, ckpt=None):
 class Speculator:
     """Speculative decoding behind one interface for the engine's step."""
 
-    def __init__(self, config, engine, ckpt=None):
+    def __init__(self, config, engine, ckpt=None, greedy_only: bool = False):
+        """config.speculative: a drafter (resolved: not auto). greedy_only: draft for greedy requests only
+        (the default, auto: a sampled request keeps plain decoding's random draws, so a seed reproduces what
+        it did without speculation)."""
         self.drafter = build_drafter(config.speculative, engine, ckpt)
-        self.controller = SpecController(draft_len(config), config.speculative_max_batch)
+        kind = config.speculative.split(":")[0]
+        self.controller = SpecController(draft_len(config), config.speculative_max_batch or DEFAULT_MAX_BATCH[kind])
+        self.greedy_only = greedy_only
         # free drafts are cut to what pays for its rows (draft_cost.py); others get the adaptive length
         self.cost_aware = getattr(self.drafter, "free", False)
         self.step_cost = draft_cost.StepCost()
@@ -389,7 +410,8 @@ class Speculator:
         if finishing:
             self.drafter.prefill(finishing)
         # decoding: every new token is an output token (one sampled, or a few a grammar forced: drafts go after them)
-        decoding = [s for s in scheduled if s.samples and 0 < s.num_new_tokens <= s.seq.num_output_tokens]
+        decoding = [s for s in scheduled if s.samples and 0 < s.num_new_tokens <= s.seq.num_output_tokens
+                    and (s.seq.params.greedy or not self.greedy_only)]
         if not decoding or not self.controller.active(num_running):
             return {}
         rows = sum(s.num_new_tokens for s in scheduled)
