@@ -6,7 +6,7 @@ step reads the weights once whatever its rows); at 8 streams or more the step is
 each row adds to everyone's step time. A token is worth its row when the tokens it is expected to add
 per second of step time beat what the step already produces per second:
 
-    alpha_s ** i / row_s  >=  tokens per step / step seconds
+    alpha_s ** i / row_s  >=  PAYBACK * tokens per step / step seconds
 
 where alpha_s is sequence s's per-token acceptance (a draft's i-th token survives only if the i-1 before
 it did) and row_s is the measured cost of one more row in a decode step. Positions are taken greedily
@@ -79,11 +79,20 @@ class Acceptance:
         self.seqs.pop(seq_id, None)
 
 
+# A draft token is verified only when its expected gain is this many times its row's measured cost. The
+# linear fit prices a row, not what comes with verifying at all (a sequence's verification bookkeeping, its
+# k + 1 logit rows through the sampler), and at 4 streams free text with 40-50% acceptance, which the fit
+# priced a few percent ahead, ran 5-8% behind plain decoding (docs/benchmarks.md, "n-gram on by default").
+# Copying drafts (90%+ accepted) clear the factor at every batch size the controller drafts at.
+PAYBACK = 2.0
+
+
 def keep_lengths(proposed: list[int], alphas: list[float], step: tuple[float, float] | None,
-                 num_rows: int, num_tokens: int) -> list[int]:
+                 num_rows: int, num_tokens: int, payback: float = PAYBACK) -> list[int]:
     """How many of each sequence's proposed draft tokens to verify. proposed[i]: tokens on offer for
     sequence i, alphas[i]: its acceptance; step: the fit (a, b) or None (not measured yet: keep them
-    all); num_rows / num_tokens: the step's rows and the tokens it yields without drafts."""
+    all); num_rows / num_tokens: the step's rows and the tokens it yields without drafts; payback: the
+    expected gain a token must bring per unit of its cost."""
     if step is None:
         return list(proposed)
     a, b = step
@@ -95,7 +104,7 @@ def keep_lengths(proposed: list[int], alphas: list[float], step: tuple[float, fl
     offers = sorted(((alpha ** i, s) for s, (n, alpha) in enumerate(zip(proposed, alphas))
                      for i in range(1, n + 1)), key=lambda o: -o[0])
     for gain, s in offers:
-        if gain * seconds < b * tokens:
+        if gain * seconds < payback * b * tokens:
             break
         keep[s] += 1
         tokens += gain
