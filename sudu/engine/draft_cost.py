@@ -6,7 +6,7 @@ step reads the weights once whatever its rows); at 8 streams or more the step is
 each row adds to everyone's step time. A token is worth its row when the tokens it is expected to add
 per second of step time beat what the step already produces per second:
 
-    alpha_s ** i / row_s  >=  (1 + REJECTED_ROW_COST * (1 - alpha_s)) * tokens per step / step seconds
+    alpha_s ** i / row_s  >=  PAYBACK * tokens per step / step seconds
 
 where alpha_s is sequence s's per-token acceptance (a draft's i-th token survives only if the i-1 before
 it did) and row_s is the measured cost of one more row in a decode step. Positions are taken greedily
@@ -79,38 +79,36 @@ class Acceptance:
         self.seqs.pop(seq_id, None)
 
 
-# What a rejected draft row costs beyond the fit's price of a row, in units of that price. The linear fit
-# prices a row, not what comes with a row that does not become a token (the sampler's work on it, the
-# rollback of its KV slot and of the sequence's draft state), nor the per-step work an accepted row saves.
-# At 4 streams, free text with 40-50% acceptance, which the fit priced a few percent ahead, ran 5-8% behind
-# plain decoding; a factor of 2 on every row fixed that but also cut copying drafts (95%+ accepted) at 4
-# streams from 1.67x to 1.24x (docs/benchmarks.md, "n-gram on by default"). So the factor a token must clear
-# is 1 + REJECTED_ROW_COST * (1 - alpha): 2 at 50% acceptance, near 1 for copying.
-REJECTED_ROW_COST = 2.0
+# A draft token is verified only when its expected gain is this many times its row's measured cost. The
+# linear fit prices a row, not what comes with verifying at all (a sequence's verification bookkeeping, its
+# k + 1 logit rows through the sampler), and at 4 streams free text with 40-50% acceptance, which the fit
+# priced a few percent ahead, ran 5-8% behind plain decoding (docs/benchmarks.md, "n-gram on by default").
+# Copying drafts (90%+ accepted) clear the factor at every batch size the controller drafts at. Charging
+# the factor only to the share of rows expected to be rejected (1 + 2 (1 - alpha)) won back copying at 4
+# streams but ran free text there at 0.92-0.96x, so the factor stays flat.
+PAYBACK = 2.0
 
 
 def keep_lengths(proposed: list[int], alphas: list[float], step: tuple[float, float] | None,
-                 num_rows: int, num_tokens: int, rejected_row_cost: float = REJECTED_ROW_COST) -> list[int]:
+                 num_rows: int, num_tokens: int, payback: float = PAYBACK) -> list[int]:
     """How many of each sequence's proposed draft tokens to verify. proposed[i]: tokens on offer for
     sequence i, alphas[i]: its acceptance; step: the fit (a, b) or None (not measured yet: keep them
-    all); num_rows / num_tokens: the step's rows and the tokens it yields without drafts;
-    rejected_row_cost: see REJECTED_ROW_COST."""
+    all); num_rows / num_tokens: the step's rows and the tokens it yields without drafts; payback: the
+    expected gain a token must bring per unit of its cost."""
     if step is None:
         return list(proposed)
     a, b = step
     seconds = a + b * num_rows
     tokens = float(num_tokens)
     keep = [0] * len(proposed)
-    # the i-th token of every sequence, the best value (expected gain over the factor it must clear) first:
-    # alpha ** i falls with i, so each sequence's tokens come in order, and the step's tokens per second
-    # only rise as tokens that clear the bar are added, so the first one that does not ends the search
-    offers = sorted(((alpha ** i / (1.0 + rejected_row_cost * (1.0 - alpha)), s)
-                     for s, (n, alpha) in enumerate(zip(proposed, alphas)) for i in range(1, n + 1)),
-                    key=lambda o: -o[0])
-    for value, s in offers:
-        if value * seconds < b * tokens:
+    # the i-th token of every sequence, most likely first (alpha ** i falls with i, so each sequence's
+    # tokens come in order)
+    offers = sorted(((alpha ** i, s) for s, (n, alpha) in enumerate(zip(proposed, alphas))
+                     for i in range(1, n + 1)), key=lambda o: -o[0])
+    for gain, s in offers:
+        if gain * seconds < payback * b * tokens:
             break
         keep[s] += 1
-        tokens += alphas[s] ** keep[s]
+        tokens += gain
         seconds += b
     return keep
