@@ -74,6 +74,18 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
   }
 }
 
+// A layer's normed input, and the residual stream updated in place: the first layer's is its input x, a later
+// layer's the stream plus the previous layer's output x (add_rms_norm).
+torch::Tensor layer_input(size_t l, torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  if (l == 0) {
+    residual = x;
+    return rms_norm(x, w, eps);
+  }
+  torch::Tensor h;
+  std::tie(residual, h) = add_rms_norm(residual, x, w, eps);
+  return h;
+}
+
 }  // namespace
 
 // One gated MLP (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x, as GatedMLP.forward.
@@ -108,12 +120,7 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
   torch::Tensor residual, h;
   size_t at = 0;
   for (size_t l = 0; l < L; ++l) {
-    if (l == 0) {
-      residual = x;
-      h = rms_norm(x, weights[at], eps);
-    } else {
-      std::tie(residual, h) = add_rms_norm(residual, x, weights[at], eps);
-    }
+    h = layer_input(l, residual, x, weights[at], eps);
     auto qkv = linear(h, weights, at + 1).view({T, heads + 2 * kv_heads, head_dim});
     rotary_(qkv, cos, sin, heads + kv_heads);
     write_kv(k_caches[l], slot_mapping, qkv.narrow(1, heads, kv_heads), k_scales[l]);
@@ -165,16 +172,11 @@ torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
               "gemma_decode: bad weight, pool or layer list");
   const View full = view_of(full_view), local = view_of(sliding_view);
   const int64_t T = x.size(0), H = heads, Hk = kv_heads, D = head_dim;
-  torch::Tensor residual, h, delta;
+  torch::Tensor residual, h, delta = x;
   for (size_t l = 0; l < L; ++l) {
     const auto& w = weights;
     const size_t at = l * GEMMA_PER_LAYER;
-    if (l == 0) {
-      residual = x;
-      h = rms_norm(x, w[at], eps);
-    } else {
-      std::tie(residual, h) = add_rms_norm(residual, delta, w[at], eps);
-    }
+    h = layer_input(l, residual, delta, w[at], eps);
     auto qkv = linear(h, w, at + 1).view({T, H + 2 * Hk, D});
     auto q = rms_norm(qkv.narrow(1, 0, H).reshape({T * H, D}).contiguous(), w[at + 3], eps).view({T, H, D});
     auto k = rms_norm(qkv.narrow(1, H, Hk).reshape({T * Hk, D}).contiguous(), w[at + 4], eps).view({T, Hk, D});
