@@ -21,6 +21,7 @@ import torch
 from sudu.errors import SuduError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KERNEL_FORMATS = ("native", "int8", "int4")  # weight formats that run on the CPU kernels (layers/linear.py)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,7 +51,7 @@ def check_supported(config) -> None:
     device = resolve_device(config.device)
     if device.type == "cpu":
         return
-    if config.quantization in ("native", "int8", "int4"):
+    if config.quantization in KERNEL_FORMATS:
         raise SuduError(f"--quantization {config.quantization} runs on sudu's CPU kernels only; on {device} use "
                         "--quantization none (or auto), which runs the weights in --dtype")
     if config.speculative not in ("none", "auto"):

@@ -36,6 +36,7 @@ import torch
 
 from sudu.engine import draft_cost
 from sudu.engine.block_manager import BlockManager
+from sudu.engine.placement import KERNEL_FORMATS
 from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
@@ -362,12 +363,17 @@ def resolve(config, device, weight_format: str) -> str:
     Any other value stands."""
     if config.speculative != "auto":
         return config.speculative
-    return "ngram" if device.type == "cpu" and weight_format in ("native", "int8", "int4") else "none"
+    return "ngram" if device.type == "cpu" and weight_format in KERNEL_FORMATS else "none"
+
+
+def drafter_kind(config) -> str:
+    """ngram, draft or mtp: the key of the per-drafter defaults."""
+    return config.speculative.split(":")[0]
 
 
 def draft_len(config) -> int:
     """The most draft tokens per sequence per step: the setting, or the drafter's default."""
-    return config.num_speculative_tokens or DEFAULT_DRAFT_LEN[config.speculative.split(":")[0]]
+    return config.num_speculative_tokens or DEFAULT_DRAFT_LEN[drafter_kind(config)]
 
 
 def build_drafter(spec: str, engine, ckpt=None):
@@ -391,8 +397,8 @@ class Speculator:
         (the default, auto: a sampled request keeps plain decoding's random draws, so a seed reproduces what
         it did without speculation)."""
         self.drafter = build_drafter(config.speculative, engine, ckpt)
-        kind = config.speculative.split(":")[0]
-        self.controller = SpecController(draft_len(config), config.speculative_max_batch or DEFAULT_MAX_BATCH[kind])
+        self.controller = SpecController(draft_len(config),
+                                         config.speculative_max_batch or DEFAULT_MAX_BATCH[drafter_kind(config)])
         self.greedy_only = greedy_only
         # free drafts are cut to what pays for its rows (draft_cost.py); others get the adaptive length
         self.cost_aware = getattr(self.drafter, "free", False)

@@ -86,6 +86,19 @@ torch::Tensor layer_input(size_t l, torch::Tensor& residual, const torch::Tensor
   return h;
 }
 
+// The new tokens' K and V (k, v: [T, Hkv, D]) into layer pools kc / vc at slot_mapping, then the queries q
+// [T, H, D] attended over them (decode_attention): [T, H * D].
+torch::Tensor cache_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc,
+                               torch::Tensor& vc, const torch::Tensor& ks, const torch::Tensor& vs,
+                               const torch::Tensor& slot_mapping, const torch::Tensor& rows, const torch::Tensor& slots,
+                               const torch::Tensor& mask, double scale) {
+  write_kv(kc, slot_mapping, k, ks);
+  write_kv(vc, slot_mapping, v, vs);
+  auto att = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  decode_attention(q, kc, vc, ks, vs, rows, slots, mask, scale, att);
+  return att.view({q.size(0), q.size(1) * q.size(2)});
+}
+
 }  // namespace
 
 // One gated MLP (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x, as GatedMLP.forward.
@@ -123,12 +136,10 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     h = layer_input(l, residual, x, weights[at], eps);
     auto qkv = linear(h, weights, at + 1).view({T, heads + 2 * kv_heads, head_dim});
     rotary_(qkv, cos, sin, heads + kv_heads);
-    write_kv(k_caches[l], slot_mapping, qkv.narrow(1, heads, kv_heads), k_scales[l]);
-    write_kv(v_caches[l], slot_mapping, qkv.narrow(1, heads + kv_heads, kv_heads), v_scales[l]);
-    auto att = torch::empty({T, heads, head_dim}, x.options());
-    decode_attention(qkv.narrow(1, 0, heads), k_caches[l], v_caches[l], k_scales[l], v_scales[l], rows, slots, mask,
-                     scale, att);
-    auto o = linear(att.view({T, heads * head_dim}), weights, at + 3);
+    auto att = cache_and_attend(qkv.narrow(1, 0, heads), qkv.narrow(1, heads, kv_heads),
+                                qkv.narrow(1, heads + kv_heads, kv_heads), k_caches[l], v_caches[l], k_scales[l],
+                                v_scales[l], slot_mapping, rows, slots, mask, scale);
+    auto o = linear(att, weights, at + 3);
     std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 5], eps);
     x = experts[l] ? sparse_moe(h, weights, at + 6, experts[l], moe) : gated_mlp(h, weights, at + 6);
     at += layer_len(l);
@@ -173,8 +184,8 @@ torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
   const View full = view_of(full_view), local = view_of(sliding_view);
   const int64_t T = x.size(0), H = heads, Hk = kv_heads, D = head_dim;
   torch::Tensor residual, h, delta = x;
+  const auto& w = weights;
   for (size_t l = 0; l < L; ++l) {
-    const auto& w = weights;
     const size_t at = l * GEMMA_PER_LAYER;
     h = layer_input(l, residual, delta, w[at], eps);
     auto qkv = linear(h, w, at + 1).view({T, H + 2 * Hk, D});
@@ -183,12 +194,9 @@ torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     auto qk = torch::cat({q, k}, 1);
     const View& v = sliding[l] ? local : full;
     rotary_(qk, sliding[l] ? cos_local : cos_global, sliding[l] ? sin_local : sin_global, H + Hk);
-    write_kv(k_caches[l], v.slot_mapping, qk.narrow(1, H, Hk), k_scales[l]);
-    write_kv(v_caches[l], v.slot_mapping, qkv.narrow(1, H + Hk, Hk), v_scales[l]);
-    auto att = torch::empty({T, H, D}, x.options());
-    decode_attention(qk.narrow(1, 0, H), k_caches[l], v_caches[l], k_scales[l], v_scales[l], v.rows, v.slots, v.mask,
-                     scale, att);
-    auto o = linear(att.view({T, H * D}), w, at + 5);
+    auto att = cache_and_attend(qk.narrow(1, 0, H), qk.narrow(1, H, Hk), qkv.narrow(1, H + Hk, Hk), k_caches[l],
+                                v_caches[l], k_scales[l], v_scales[l], v.slot_mapping, v.rows, v.slots, v.mask, scale);
+    auto o = linear(att, w, at + 5);
     std::tie(residual, h) = add_rms_norm(residual, rms_norm(o, w[at + 7], eps), w[at + 8], eps);
     auto gate_up = linear(h, w, at + 9);
     const int64_t I = gate_up.size(1) / 2;

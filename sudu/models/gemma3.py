@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from sudu import kernels
-from sudu.layers import linear
 from sudu.layers.attention import AttentionMetadata, QKVProjections, paged_attention
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
 from sudu.models.config import ModelConfig
-from sudu.models.llama import decode_view, native_pools, native_step
+from sudu.models.llama import decode_view, native_linear, native_pools, native_step
 
 
 class Gemma3Attention(QKVProjections, nn.Module):
@@ -87,7 +86,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary_global = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, n, cfg.rope_scaling_factor)
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_base_freq or 10000.0, n)
         self.embed_scale = cfg.hidden_size ** 0.5
-        self._native_decode = None  # (kernels gemma_decode, its weight list, sliding flags): prepare_native_decode
+        # (kernels gemma_decode, its weight list, sliding flags, final norm weight): prepare_native_decode
+        self._native_decode = None
 
     def prepare_native_decode(self) -> None:
         """After quantization and fusion (engine/model_runner.py prepare_network): collect the weights of
@@ -101,16 +101,11 @@ class Gemma3ForCausalLM(nn.Module):
                 or self.config.hidden_act != "gelu_pytorch_tanh"):
             return
 
-        def quantized(p) -> list[torch.Tensor] | None:
-            if not (isinstance(p, linear.QuantizedLinear) and p.fits_native_stack()):
-                return None
-            return [p.qweight, p.bias if p.bias is not None else torch.empty(0)]
-
         weights, sliding = [], []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            parts = [quantized(getattr(attn, "qkv_proj", None)), quantized(attn.o_proj),
-                     quantized(mlp.gate_up_proj), quantized(mlp.down_proj)]
+            parts = [native_linear(getattr(attn, "qkv_proj", None)), native_linear(attn.o_proj),
+                     native_linear(mlp.gate_up_proj), native_linear(mlp.down_proj)]
             if None in parts or attn.head_dim % 8:
                 return
             qkv, o, gate_up, down = parts
@@ -120,18 +115,18 @@ class Gemma3ForCausalLM(nn.Module):
                         layer.pre_feedforward_layernorm._native_weight(), *gate_up, *down,
                         layer.post_feedforward_layernorm._native_weight()]
             sliding.append(int(layer.sliding))
-        self._native_decode = (ext.gemma_decode, weights, sliding)
+        self._native_decode = (ext.gemma_decode, weights, sliding, norm._native_weight())
 
     def _decode_natively(self, x, rope_global, rope_local, meta: AttentionMetadata) -> torch.Tensor | None:
         native = self._native_decode
         local = meta.sliding if meta.sliding is not None else meta.full
         if native is None or not native_step(x, [meta.full, local], meta.kv_caches):
             return None
-        fn, weights, sliding = native
+        fn, weights, sliding, final_norm = native
         attn = self.model.layers[0].self_attn
         return fn(x, weights, *native_pools(meta.kv_caches), sliding, decode_view(meta.full), decode_view(local),
                   *rope_global, *rope_local, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.model.norm.eps,
-                  attn.scale, self.model.norm._native_weight())
+                  attn.scale, final_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

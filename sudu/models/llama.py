@@ -15,7 +15,7 @@ from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
 from sudu.models.config import ModelConfig
 
-_NO_SCALE = torch.empty(0)  # a float32 pool's place in the native stack's scale lists
+_NO_SCALE = torch.empty(0)  # a float32 pool's place in the native stack's scale lists, an absent bias's in its weights
 
 
 def native_step(x: torch.Tensor, views: list, caches: list[KVCache]) -> bool:
@@ -31,6 +31,14 @@ def native_pools(caches: list[KVCache]) -> tuple[list, list, list, list]:
     return ([c.k for c in caches], [c.v for c in caches],
             [c.k_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches],
             [c.v_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches])
+
+
+def native_linear(p) -> list[torch.Tensor] | None:
+    """A projection as the native stack takes it, [tiles, bias or an empty tensor], or None where it cannot: a
+    layer that is not quantized, or whose outputs are not whole tiles (QuantizedLinear.fits_native_stack)."""
+    if not (isinstance(p, linear.QuantizedLinear) and p.fits_native_stack()):
+        return None
+    return [p.qweight, p.bias if p.bias is not None else _NO_SCALE]
 
 
 def decode_view(view) -> list[torch.Tensor]:
@@ -129,28 +137,20 @@ class LlamaForCausalLM(nn.Module):
         ext = kernels.load()
         if ext is None or not self.model.norm.weight.is_cpu or self.model.norm.weight.dtype != torch.float32:
             return
-        empty = torch.empty(0)
-
-        def quantized(p) -> list[torch.Tensor]:
-            return [p.qweight, p.bias if p.bias is not None else empty]
-
         def native_mlp(mlp) -> list[torch.Tensor] | None:
             if type(mlp) is not GatedMLP or mlp._silu_mul is None:
                 return None
-            gate_up, down = mlp.gate_up_proj, mlp.down_proj
-            if not all(isinstance(p, linear.QuantizedLinear) and p.fits_native_stack() for p in (gate_up, down)):
-                return None
-            return [*quantized(gate_up), *quantized(down)]
+            gate_up, down = native_linear(mlp.gate_up_proj), native_linear(mlp.down_proj)
+            return None if gate_up is None or down is None else [*gate_up, *down]
 
         weights, experts, moe = [], [], None
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, o = getattr(attn, "qkv_proj", None), attn.o_proj
-            if (type(attn) is not LlamaAttention or attn.head_dim % 8
-                    or not all(isinstance(p, linear.QuantizedLinear) and p.fits_native_stack() for p in (qkv, o))):
+            qkv, o = native_linear(getattr(attn, "qkv_proj", None)), native_linear(attn.o_proj)
+            if type(attn) is not LlamaAttention or attn.head_dim % 8 or qkv is None or o is None:
                 return
             # the order decoder.cpp reads: norm, qkv, o, norm, then the feed-forward's tensors
-            weights += [layer.input_layernorm.weight, *quantized(qkv), *quantized(o), layer.post_attention_layernorm.weight]
+            weights += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight]
             if isinstance(mlp, SparseMoE):
                 params = moe_params(ext, mlp)
                 parts = [native_mlp(e) for e in mlp.experts]
