@@ -4,6 +4,10 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# without a GPU, the CUDA path's Triton kernels (sudu/cuda/) run in Triton's CPU interpreter; the variable is
+# read when a kernel is defined, so it is set before anything imports them
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
