@@ -284,7 +284,8 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     """One layer computing the given layers' outputs side by side (concatenated along the last dim), for
     layers that read the same input: q/k/v, gate/up. Fewer, larger calls: less per-call overhead, and the
     activations are read (and, quantized, rounded to int8) once. Each output column is computed exactly as
-    before: the quantized kernel's rows do not interact, and float32 GEMM columns do not either. Returns
+    before: the quantized kernel's rows do not interact, and float32 GEMM columns do not either (nor do the
+    CUDA path's Triton layers', sudu/cuda/quant_linear.py: their K loop depends on K only). Returns
     None when the layers cannot be fused (mixed kinds or formats)."""
     first = layers[0]
     if all(type(m) is nn.Linear for m in layers):
@@ -326,6 +327,12 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
         mins = torch.cat([p[2] for p in parts]) if first.fmt == "int4" else None
         return QuantizedLinear(first.fmt, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
                                mins, bias, first.in_features, parts[0][3])
+    from sudu.cuda.quant_linear import TritonQuantizedLinear  # the CUDA path's layers (triton only when they run)
+
+    if all(isinstance(m, TritonQuantizedLinear) for m in layers):
+        if len({(m.fmt, m.in_features) for m in layers}) != 1:
+            return None
+        return TritonQuantizedLinear.cat(layers)
     return None
 
 
