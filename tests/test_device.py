@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sudu.config import EngineConfig
+from sudu.engine import placement
 from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
 from sudu.errors import SuduError
 from sudu.sampling import SamplingParams
@@ -46,8 +47,13 @@ def test_device_and_dtype_resolve_as_documented(monkeypatch):
         resolve_device("cuda:1")
     check_supported(EngineConfig(device="cuda"))  # auto weights, float KV or int8 KV: fine
     check_supported(EngineConfig(device="cuda", kv_cache_dtype="int8"))
-    for fmt in ("int8", "int4"):
-        with pytest.raises(SuduError, match="CPU kernels only"):
+    with pytest.raises(SuduError, match="CPU kernels only.*int8, int4 or none"):
+        check_supported(EngineConfig(device="cuda", quantization="native"))
+    for fmt in ("int8", "int4"):  # the Triton kernels (sudu/cuda/quant_linear.py)
+        monkeypatch.setattr(placement, "triton_available", lambda: True)
+        check_supported(EngineConfig(device="cuda", quantization=fmt))
+        monkeypatch.setattr(placement, "triton_available", lambda: False)
+        with pytest.raises(SuduError, match="triton is not installed"):
             check_supported(EngineConfig(device="cuda", quantization=fmt))
     with pytest.raises(SuduError, match="CPU engine only"):
         check_supported(EngineConfig(device="cuda", speculative="ngram"))
@@ -147,3 +153,24 @@ def test_cuda_seeded_sampling_is_reproducible(tiny_model_dirs):
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
     prompt = prompts_of([12], seed=4)
     assert llm.generate(prompt, params)[0].token_ids == llm.generate(prompt, params)[0].token_ids
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt,tol", [("int8", 0.05), ("int4", 0.3)])
+def test_cuda_quantized_weights_run_on_the_triton_kernels(fmt, tol, tiny_model_dirs):
+    """--quantization int8 / int4 on the GPU: every projection a TritonQuantizedLinear on the device, its tokens
+    teacher-forced through the float32 reference. Tolerance: bfloat16's own on this model (0.15 nats, as in
+    test_cuda_default_dtype_is_bfloat16_and_close_to_float32) plus the format's on the CPU (tests/test_linear.py:
+    int8 0.02 from a ~0.5% weight error, here rounded up to 0.05; int4 0.3 from ~8%); the two errors add at
+    worst. The share of exact argmaxes is lower than bfloat16's 0.8 bar: int4 moves near-ties."""
+    from sudu.cuda.quant_linear import TritonQuantizedLinear
+    from sudu.engine.llm import LLM
+
+    hf = build_hf_model("qwen2", seed=0).to(DEVICE).eval()
+    llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, device=DEVICE, dtype="bfloat16", quantization=fmt)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, TritonQuantizedLinear)]
+    assert layers and not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert all(m.fmt == fmt and m.qweight.device.type == DEVICE for m in layers)
+    share = generate_checked(llm, hf, prompts_of([5, 30, 64], seed=2), 12, tol_logit=tol + 0.15, tol_logprob=tol + 0.15)
+    assert share >= 0.7

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from sudu.config import EngineConfig, default_num_threads
+from sudu.cuda.step import CudaStep, uses_cuda_path
 from sudu.engine.text_eval import forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
@@ -77,16 +78,20 @@ def move_network(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
 
 def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     """The checkpoint's network ready to run on config's device: loaded in its dtype, its linear layers
-    quantized to the resolved format (CPU only), projections that read the same input (q/k/v, gate/up)
-    fused into one call each. Returns (network, weight format)."""
+    quantized to the resolved format (on CUDA int8 / int4 only, quantized on the host before the move),
+    projections that read the same input (q/k/v, gate/up) fused into one call each. Returns (network, weight
+    format)."""
     from sudu.layers.linear import quantize_model, resolve_format
 
     check_supported(config)
     dtype = resolve_dtype(config)
     device = resolve_device(config.device)
 
-    # off the CPU the weights run in dtype (placement.py): a quantized checkpoint's auto is "none" there
-    fmt = resolve_format(config.quantization, ckpt) if device.type == "cpu" else "none"
+    # off the CPU auto is "none", the weights in dtype, even for a quantized checkpoint (placement.py)
+    if device.type == "cpu":
+        fmt = resolve_format(config.quantization, ckpt)
+    else:
+        fmt = config.quantization if config.quantization in ("int8", "int4") else "none"
     placeholders, unwritten = frozenset(), []
     if fmt == "native":  # those weights come from the file's blocks, not floats
         from sudu.layers.gguf_native import native_tensor_names
@@ -100,8 +105,12 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
             yield name, t
 
     model = load_network(ckpt.config, tensors(), dtype)
-    if fmt != "none":
+    if fmt != "none" and device.type == "cpu":
         quantize_model(model, ckpt, fmt)
+    elif fmt != "none":
+        from sudu.cuda.quant_linear import quantize_model_cuda
+
+        quantize_model_cuda(model, ckpt, fmt)
     if unwritten:  # every placeholder must have been replaced: its memory was never written
         kept = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
         if kept & {t.data_ptr() for t in unwritten}:
@@ -163,6 +172,28 @@ def context_slots(tables: list[list[int]], ends: list[int], block_size: int) -> 
     return list(torch.split(slots, ends))
 
 
+def flat_batch(scheduled) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """The step's new tokens flat: (ids, positions, new tokens per sequence, positions per sequence after the
+    step, rows whose logits are needed)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    q_lens: list[int] = []
+    ends: list[int] = []
+    sample_rows: list[int] = []
+    row = 0
+    for s in scheduled:
+        seq = s.seq
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+        ids.extend(seq.token_ids[start:end - len(s.draft_token_ids)])
+        ids.extend(s.draft_token_ids)
+        positions.extend(range(start, end))
+        q_lens.append(s.num_new_tokens)
+        ends.append(end)
+        row += s.num_new_tokens
+        sample_rows.extend(range(row - s.num_logit_rows, row))
+    return ids, positions, q_lens, ends, sample_rows
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, max_model_len: int,
                  tokenizer=None, kv_ranges: list | None = None):
@@ -200,10 +231,12 @@ class ModelRunner:
         if self.num_blocks < 2 or (self.sliding_blocks is not None and self.sliding_blocks.num_blocks < 2):
             raise SuduError(f"kv_cache_memory={self._kv_budget_bytes(max_model_len)} bytes holds fewer than "
                             f"2 blocks of {self.block_size} tokens")
+        cuda_path = uses_cuda_path(self.device, model_cfg)
+        scratch = int(cuda_path)  # the CUDA path's padding rows write one block past the last (cuda/step.py)
         self.kv_caches = []
         for i in range(model_cfg.num_hidden_layers):
             blocks = self.sliding_blocks.num_blocks if i in ring_layers else self.num_blocks
-            self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, blocks * self.block_size,
+            self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, (blocks + scratch) * self.block_size,
                                                 kv_heads, k_dim, self.dtype, self.device, v_dim))
         if config.kv_cache_dtype == "int8" and kv_ranges is not None:
             set_int8_ranges(self.kv_caches, kv_ranges)
@@ -211,6 +244,12 @@ class ModelRunner:
             ids = calibration_ids(tokenizer, model_cfg) if tokenizer is not None else []
             log.info("calibrating the int8 KV scales on %d tokens", len(ids))
             calibrate_int8_kv(model, self.kv_caches, ids)
+        self.cuda_step = None
+        if cuda_path:
+            self.cuda_step = CudaStep(
+                model, self.kv_caches, self.block_size, self.device, self.sliding_window, bool(ring_layers),
+                (self.num_blocks, self.sliding_blocks.num_blocks if ring_layers else None), max_model_len,
+                config.cuda_graph_max_batch, config.max_num_seqs)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one more token of context costs a sequence (every layer keeping every position)."""
@@ -233,33 +272,15 @@ class ModelRunner:
         (ScheduledSeq.num_logit_rows), concatenated in order, on the engine's device (the sampler brings
         to the host only what it needs). hidden_in: a drafting network's second input, a row per new token.
         With keep_hidden set, the step's final hidden states [new tokens, hidden] stay in last_hidden."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        q_lens: list[int] = []
-        ends: list[int] = []
-        sample_rows: list[int] = []
-        row = 0
-        for s in scheduled:
-            seq = s.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
-            ids.extend(seq.token_ids[start:end - len(s.draft_token_ids)])
-            ids.extend(s.draft_token_ids)
-            positions.extend(range(start, end))
-            q_lens.append(s.num_new_tokens)
-            ends.append(end)
-            row += s.num_new_tokens
-            sample_rows.extend(range(row - s.num_logit_rows, row))
-        sliding_keys = None
-        if self.sliding_blocks is not None:
-            window = self.sliding_window
-            sliding_keys = []
-            for s in scheduled:
-                start = s.seq.num_computed_tokens
-                first = max(0, start + 1 - window)  # the earliest key the first new token can see
-                sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
-        ctx_slots = context_slots([s.seq.block_table for s in scheduled], ends, bs)
-        meta = build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys)
+        ids, positions, q_lens, ends, sample_rows = flat_batch(scheduled)
+        if self.cuda_step is not None:
+            if hidden_in is None and not self.keep_hidden:
+                logits = self.cuda_step.decode(scheduled, ids, positions)
+                if logits is not None:
+                    return logits
+            meta = self.cuda_step.metadata(scheduled, q_lens, ends)
+        else:
+            meta = self._metadata(scheduled, q_lens, ends)
         ids_t, positions_t = torch.tensor(ids), torch.tensor(positions)
         if self.device.type != "cpu":  # one copy of the step's metadata
             meta = meta.to(self.device)
@@ -270,3 +291,17 @@ class ModelRunner:
         if not sample_rows:
             return hidden.new_zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[sample_rows]).float()
+
+    def _metadata(self, scheduled, q_lens: list[int], ends: list[int]):
+        """The step's attention metadata for the CPU path (and CUDA without Triton): per-sequence key slots."""
+        bs = self.block_size
+        sliding_keys = None
+        if self.sliding_blocks is not None:
+            window = self.sliding_window
+            sliding_keys = []
+            for s in scheduled:
+                start = s.seq.num_computed_tokens
+                first = max(0, start + 1 - window)  # the earliest key the first new token can see
+                sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
+        ctx_slots = context_slots([s.seq.block_table for s in scheduled], ends, bs)
+        return build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys)

@@ -4,12 +4,15 @@ CPU: the native kernels (kernels/): int8 / int4 weights, the one-call decode sta
 kernel, float32 activations by default.
 
 CUDA: the same network and scheduler on PyTorch's CUDA kernels. Weights run in --dtype (bfloat16 by
-default; GGUF checkpoints are dequantized at load), attention is SDPA over the paged pool gathered per
-step, and the batch's metadata is built on the host and copied over once per step. Greedy rows take their
-argmax on the device (only the ids come back); a sampled row, and a batch with penalties or logprobs, comes
-to the host, where the sampler runs exactly as on the CPU (so a seeded request draws with the same CPU
-generators on either device). Not on CUDA yet, refused at load with a clear error:
-- `--quantization native | int8 | int4`: the quantized layers are the CPU kernels' tile layout;
+default; `--quantization auto` is none there, and GGUF checkpoints are dequantized at load), or with
+`--quantization int8 | int4` as the CPU formats' codes on Triton kernels (cuda/quant_linear.py; needs
+triton, which PyTorch's CUDA wheels bring). Attention is SDPA over the paged pool gathered per step, and
+the batch's metadata is built on the host and copied over once per step. The whole batch is
+sampled on the device (layers/device_sampler.py: penalties, filters and draws as batched tensor ops)
+and only the chosen ids, with any logprobs asked for, come back; its draws come from a counter-based
+generator, so a seed reproduces run to run and whatever shares the batch, though not the CPU sampler's
+draws for that seed. Not on CUDA yet, refused at load with a clear error:
+- `--quantization native`: the GGUF files' own blocks run on the CPU kernels only;
 - `--speculative` (its default, auto, is none there): greedy speculation is lossless on the CPU because the kernels compute a row the same way
   at any batch size (verifying k tokens = k plain steps, bit for bit); cuBLAS picks kernels by shape, so
   a verified row can differ in the last bits from the plain step's and flip a near-tie.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from sudu.cuda import triton_available
 from sudu.errors import SuduError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,9 +55,12 @@ def check_supported(config) -> None:
     device = resolve_device(config.device)
     if device.type == "cpu":
         return
-    if config.quantization in KERNEL_FORMATS:
-        raise SuduError(f"--quantization {config.quantization} runs on sudu's CPU kernels only; on {device} use "
-                        "--quantization none (or auto), which runs the weights in --dtype")
+    if config.quantization == "native":
+        raise SuduError(f"--quantization native runs on sudu's CPU kernels only; on {device} use --quantization "
+                        "int8, int4 or none (auto: none, the weights in --dtype)")
+    if config.quantization in ("int8", "int4") and not triton_available():
+        raise SuduError(f"--quantization {config.quantization} on {device} runs on Triton kernels, and triton is "
+                        "not installed (PyTorch's CUDA wheels bring it); install triton or use --quantization none")
     if config.speculative not in ("none", "auto"):
         raise SuduError(f"--speculative runs on the CPU engine only for now: its greedy identity rests on kernels "
                         f"that compute a row the same way at any batch size, which {device}'s cuBLAS does not "
