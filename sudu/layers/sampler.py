@@ -21,6 +21,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # None -> the sampler's shared generator
+    seed: int | None = None  # what layers/device_sampler.py draws from (it has no per-row generators)
 
 
 @dataclass
