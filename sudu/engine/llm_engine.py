@@ -26,6 +26,7 @@ from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
 from sudu.engine.memory import memory_report, release_freed_memory, rss_bytes
 from sudu.engine.speculative import Draft, Speculator
+from sudu.layers.device_sampler import DeviceSampler
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
 from sudu.structured.backend import GrammarBackend
@@ -85,7 +86,9 @@ class LLMEngine:
         self.block_manager = build_block_manager(config, ckpt, self.quantization, self.runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_when_decoding, config.max_itl_factor)
-        self.sampler = Sampler(config.seed)
+        # the CPU keeps its per-request torch generators; elsewhere the batch is sampled where its logits are
+        self.sampler = Sampler(config.seed) if self.runner.device.type == "cpu" else DeviceSampler(config.seed)
+        self.sequence_seeds = torch.Generator().manual_seed(config.seed)  # for sequences without params.seed
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(ckpt.config.eos_token_id)
         self.grammar_backend = GrammarBackend(self.tokenizer, ckpt.config.vocab_size, sorted(self.eos_token_ids))
@@ -168,6 +171,9 @@ class LLMEngine:
             )
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + index)
+                seq.seed = params.seed + index
+            else:
+                seq.seed = int(torch.randint(1 << 62, (), generator=self.sequence_seeds))
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             if params.grammar is not None:
                 seq.grammar = self.grammar_backend.matcher(params.grammar)
@@ -333,7 +339,7 @@ class LLMEngine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken | None]:
         """One token per sequence; if the batched draw fails, row by row, and a row that fails alone
         fails its request (None in its place)."""
-        rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, q.generator) for q in seqs]
+        rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, q.generator, q.seed) for q in seqs]
         try:
             return self.sampler(logits, rows)
         except Exception:  # noqa: BLE001 -- isolated below

@@ -42,6 +42,7 @@ class Sequence:
     disk_hit_tokens: int = 0  # tokens the latest prefix match loaded from disk
     disk_load_s: float = 0.0  # seconds spent loading its blocks from disk
     generator: torch.Generator | None = None
+    seed: int = 0  # the device sampler's draws are a function of it and the draw index (layers/device_sampler.py)
     grammar: object = None  # its llguidance matcher when params.grammar is set (sudu/structured/)
     # text bookkeeping (engine side)
     detokenizer: object = None
