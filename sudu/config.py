@@ -61,6 +61,9 @@ class EngineConfig:
     # draft model's output head: only the first N token ids (in BPE merge order, the most frequent) and the
     # special tokens; 0 = the whole vocabulary. Lossless either way (the target verifies every token).
     speculative_draft_vocab: int = 65536
+    # CUDA: decode steps of up to this many sequences replay graphs captured at load, one per padded batch
+    # size (1, 2, 4, 8, ...: cuda/step.py); 0 = every step eager
+    cuda_graph_max_batch: int = 64
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 
@@ -79,6 +82,8 @@ class EngineConfig:
             # k drafts + 1 verified rows must fit the native attention kernel (NATIVE_MAX_Q = 8), whose rows
             # do not depend on each other: what keeps greedy verification identical to plain decoding
             raise ValueError("num_speculative_tokens must be between 1 and 7 (0 = the drafter's default)")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError("cuda_graph_max_batch must be >= 0 (0 = no CUDA graphs)")
         if self.speculative_max_batch < 0:
             raise ValueError("speculative_max_batch must be >= 0 (0 = the drafter's default)")
         if self.speculative_draft_vocab < 0:

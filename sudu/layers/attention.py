@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from sudu import kernels
+from sudu.cuda.paged_attention import PagedBatch
+from sudu.cuda.paged_attention import paged_attention as paged_kernel
 from sudu.layers.kv_cache import NATIVE_POOL_DTYPES, Int8KVCache, KVCache
 from sudu.layers.linear import fuse_linears
 
@@ -92,10 +94,13 @@ class AttentionView:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     seqs: list[SeqAttention] = field(default_factory=list)
     decode: DecodeBatch | None = None
+    # the CUDA path (sudu/cuda/): every sequence through the block-table kernel instead of seqs / decode
+    paged: PagedBatch | None = None
 
     def to(self, device: torch.device) -> AttentionView:
         return AttentionView(self.slot_mapping.to(device, non_blocking=True), [s.to(device) for s in self.seqs],
-                             None if self.decode is None else self.decode.to(device))
+                             None if self.decode is None else self.decode.to(device),
+                             None if self.paged is None else self.paged.to(device))
 
 
 # sequences with at most this many new tokens share one padded attention call: the native kernel's limit, so
@@ -221,6 +226,9 @@ def paged_attention(
     cache = meta.kv_caches[layer_idx]
     cache.write(view.slot_mapping, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if view.paged is not None:
+        scales = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (None, None)
+        return paged_kernel(q, cache.k, cache.v, view.paged, scale, out, *scales)
     for s in view.seqs:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
         ks, vs = cache.read(s.key_slots, q.dtype)  # [keys, Hkv, D]

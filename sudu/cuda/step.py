@@ -1,0 +1,223 @@
+"""The CUDA path's step: a scheduled batch as block tables on the device, attention through the paged kernel
+(paged_attention.py), and decode steps replayed from CUDA graphs.
+
+Eager steps (prefill and mixed chunks, speculative verification, decode batches above the largest captured
+size): block tables, lengths and slot mappings are built on the host and copied over once.
+
+Decode steps (one new token and one logit row per sequence, nothing else asked of the network) replay a graph
+captured at load for the next padded batch size (GRAPH_SIZES, up to cuda_graph_max_batch): the step's ids,
+positions, slot mappings, block tables and lengths are written in place into static device buffers that the
+graph reads, and its logits come out in a static buffer. A padding row is a one-position sequence in the
+scratch block (one block past the last the block manager hands out, in every pool), so it writes and reads
+nothing a real sequence owns. A network whose forward cannot be captured (a data-dependent shape, e.g. routed
+experts) is reported once and runs eager.
+
+On the CPU (SUDU_CUDA_PATH_ON_CPU=1, the kernels in Triton's interpreter) the same static-buffer path runs
+without capture: a dry run of this module's padding, buffers and metadata for machines without a GPU.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from sudu.cuda import triton_available
+from sudu.cuda.paged_attention import PagedBatch
+from sudu.layers.attention import AttentionMetadata, AttentionView
+
+log = logging.getLogger(__name__)
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def cuda_path_on_cpu() -> bool:
+    """The dry run: the CUDA path's kernels and step on a CPU device (Triton's interpreter)."""
+    return os.environ.get("SUDU_CUDA_PATH_ON_CPU", "0") == "1"
+
+
+def uses_cuda_path(device: torch.device, model_cfg) -> bool:
+    """Whether the engine's steps run through this module: on CUDA where Triton is importable (else PyTorch's
+    SDPA over gathered keys), or in the dry run. Latent attention (deepseek2) has its own pool layout
+    (layers/mla.py) and keeps its path."""
+    if model_cfg.kv_lora_rank or not triton_available():
+        return False
+    return device.type == "cuda" or cuda_path_on_cpu()
+
+
+def graph_sizes(max_batch: int, max_num_seqs: int) -> list[int]:
+    """The padded batch sizes captured: GRAPH_SIZES up to the first that holds min(max_batch, max_num_seqs)."""
+    limit = min(max_batch, max_num_seqs)
+    if limit <= 0:
+        return []
+    sizes = []
+    for size in GRAPH_SIZES:
+        sizes.append(size)
+        if size >= limit:
+            break
+    return sizes
+
+
+def block_tables(tables: list[list[int | None]], width: int) -> torch.Tensor:
+    """int32 [B, width], -1 where a sequence has no block (past its end, or a ring's released block)."""
+    out = torch.full((len(tables), width), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        if t:
+            out[i, :len(t)] = torch.tensor([-1 if b is None else b for b in t], dtype=torch.int32)
+    return out
+
+
+def new_token_slots(tables: torch.Tensor, starts: list[int], ends: list[int], block_size: int) -> torch.Tensor:
+    """The pool slots of each sequence's positions starts[i]..ends[i]-1 through its row of `tables`, flat."""
+    n = torch.tensor([e - s for s, e in zip(starts, ends)])
+    which = torch.repeat_interleave(torch.arange(len(ends)), n)
+    first = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)[:-1]])
+    pos = torch.tensor(starts)[which] + torch.arange(int(n.sum())) - first[which]
+    return tables[which, pos // block_size].long() * block_size + pos % block_size
+
+
+class CudaStep:
+    """Runs the model runner's steps on the CUDA path. `scratch_blocks`: (the full pool's scratch block, the
+    ring pool's or None)."""
+
+    def __init__(self, model, kv_caches: list, block_size: int, device: torch.device, sliding_window: int | None,
+                 ring: bool, scratch_blocks: tuple[int, int | None], max_model_len: int, max_graph_batch: int,
+                 max_num_seqs: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.window = sliding_window or 0
+        self.ring = ring
+        self.scratch_full, self.scratch_ring = scratch_blocks
+        self.width = -(-max_model_len // block_size) + 1
+        self.sizes = graph_sizes(max_graph_batch, max_num_seqs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.replays = 0  # decode steps that took the static path (counted for tests and the profile)
+        if self.sizes:
+            self._allocate_static(self.sizes[-1])
+            if device.type == "cuda":
+                self._capture_all()
+
+    # -- eager steps -----------------------------------------------------------------------------------
+
+    def metadata(self, scheduled, q_lens: list[int], ends: list[int]) -> AttentionMetadata:
+        """The step's attention metadata, built on the host (the runner copies it over once)."""
+        starts = [e - q for e, q in zip(ends, q_lens)]
+        bs = self.block_size
+        width = max(-(-e // bs) for e in ends)
+        query_start = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        seq_lens = torch.tensor(ends, dtype=torch.int32)
+        full_bt = block_tables([s.seq.block_table for s in scheduled], width)
+        full = AttentionView(new_token_slots(full_bt, starts, ends, bs),
+                             paged=PagedBatch(full_bt, seq_lens, query_start, max(q_lens), bs))
+        sliding = None
+        if self.window:
+            if self.ring:
+                ring_bt = block_tables([s.seq.sliding_block_table for s in scheduled], width)
+                sliding = AttentionView(new_token_slots(ring_bt, starts, ends, bs),
+                                        paged=PagedBatch(ring_bt, seq_lens, query_start, max(q_lens), bs, self.window))
+            else:
+                sliding = AttentionView(full.slot_mapping, paged=PagedBatch(full_bt, seq_lens, query_start, max(q_lens),
+                                                                            bs, self.window))
+        return AttentionMetadata(full, sliding, self.kv_caches)
+
+    # -- decode steps from static buffers --------------------------------------------------------------
+
+    def decode(self, scheduled, ids: list[int], positions: list[int]) -> torch.Tensor | None:
+        """[B, vocab] float32 logits of a decode step through the static buffers (a graph's replay on CUDA),
+        or None when the step is not one (then it runs eager)."""
+        b = len(scheduled)
+        if not self.sizes or b > self.sizes[-1]:
+            return None
+        if any(s.num_new_tokens != 1 or s.num_logit_rows != 1 for s in scheduled):
+            return None
+        size = next(s for s in self.sizes if s >= b)
+        self._fill(scheduled, ids, positions, size)
+        graph, out = self.graphs.get(size, (None, None))
+        if graph is not None:
+            graph.replay()
+        else:
+            out = self._forward(size)
+        self.replays += 1
+        return out[:b]
+
+    def _allocate_static(self, n: int) -> None:
+        dev, i32 = self.device, torch.int32
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=i32, device=dev)
+        self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one new token per sequence, always
+        self.full_slots = torch.zeros(n, dtype=torch.long, device=dev)
+        self.full_bt = torch.full((n, self.width), -1, dtype=i32, device=dev)
+        self.ring_slots = torch.zeros(n, dtype=torch.long, device=dev) if self.ring else None
+        self.ring_bt = torch.full((n, self.width), -1, dtype=i32, device=dev) if self.ring else None
+        self._pad_rows(0, n)
+
+    def _pad_rows(self, lo: int, hi: int) -> None:
+        """Rows lo..hi-1 as padding: one position in the scratch block."""
+        bs = self.block_size
+        self.ids[lo:hi] = 0
+        self.positions[lo:hi] = 0
+        self.seq_lens[lo:hi] = 1
+        self.full_slots[lo:hi] = self.scratch_full * bs
+        self.full_bt[lo:hi, 0] = self.scratch_full
+        if self.ring:
+            self.ring_slots[lo:hi] = self.scratch_ring * bs
+            self.ring_bt[lo:hi, 0] = self.scratch_ring
+
+    def _static_metadata(self, n: int) -> AttentionMetadata:
+        """Metadata over the first n rows of the static buffers (views: a replay sees what _fill wrote)."""
+        bs, qs, lens = self.block_size, self.query_start[:n + 1], self.seq_lens[:n]
+        full = AttentionView(self.full_slots[:n], paged=PagedBatch(self.full_bt[:n], lens, qs, 1, bs))
+        sliding = None
+        if self.window:
+            slots, bt = (self.ring_slots[:n], self.ring_bt[:n]) if self.ring else (self.full_slots[:n], self.full_bt[:n])
+            sliding = AttentionView(slots, paged=PagedBatch(bt, lens, qs, 1, bs, self.window))
+        return AttentionMetadata(full, sliding, self.kv_caches)
+
+    def _forward(self, n: int) -> torch.Tensor:
+        hidden = self.model(self.ids[:n], self.positions[:n], self._static_metadata(n))
+        return self.model.compute_logits(hidden).float()
+
+    def _fill(self, scheduled, ids: list[int], positions: list[int], size: int) -> None:
+        """The step's rows into the static buffers, rows past the batch as padding."""
+        b, bs = len(scheduled), self.block_size
+        ends = [p + 1 for p in positions]
+        width = max(-(-e // bs) for e in ends)
+        full_bt = block_tables([s.seq.block_table for s in scheduled], width)
+        self.ids[:b].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor(positions), non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor(ends, dtype=torch.int32), non_blocking=True)
+        self.full_slots[:b].copy_(new_token_slots(full_bt, positions, ends, bs), non_blocking=True)
+        self.full_bt[:b, :width].copy_(full_bt, non_blocking=True)
+        if self.ring:
+            ring_bt = block_tables([s.seq.sliding_block_table for s in scheduled], width)
+            self.ring_slots[:b].copy_(new_token_slots(ring_bt, positions, ends, bs), non_blocking=True)
+            self.ring_bt[:b, :width].copy_(ring_bt, non_blocking=True)
+        if b < size:
+            self._pad_rows(b, size)
+
+    def _capture_all(self) -> None:
+        """One graph per padded size, largest first, sharing one memory pool (only one replays at a time)."""
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for size in reversed(self.sizes):
+                self._pad_rows(0, size)
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # compiles the Triton kernels and settles the allocator outside capture
+                        self._forward(size)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(size)
+                self.graphs[size] = (graph, out)
+        except Exception as exc:  # noqa: BLE001 -- a forward that cannot be captured runs eager
+            log.warning("CUDA graphs off, decode steps run eager: capture failed (%s: %s)", type(exc).__name__, exc)
+            self.graphs.clear()
+            self.sizes = []
+            torch.cuda.synchronize(self.device)
+        else:
+            log.info("CUDA graphs captured for decode batches of %s sequences", ", ".join(map(str, self.sizes)))
