@@ -118,7 +118,7 @@ def quant_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch
     triton, int8_kernel, int4_kernel = _kernels()
     cfg = tile_config(n, k)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-    common = dict(HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
+    common = dict(HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else None, **cfg)
     b = bias if bias is not None else out  # never read without HAS_BIAS
     if fmt == "int8":
         int8_kernel[grid](x, qweight, scales, b, out, m, n, k, **common)
@@ -176,9 +176,6 @@ class TritonQuantizedLinear(nn.Module):
     def row_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """(qweight, scales, mins, group size), as layers/linear.py dequantize_torch takes them."""
         return self.qweight, self.scales, self.mins, self.group_size
-
-    def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_matmul(self.fmt, x.reshape(-1, self.in_features), self.qweight, self.scales, self.mins, self.bias)
