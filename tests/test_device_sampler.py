@@ -197,6 +197,14 @@ def test_a_masked_row_returns_its_one_allowed_token():
             assert tok.token_id in ids
 
 
+def test_a_sampled_row_that_allows_no_token_raises():
+    """As the CPU sampler's multinomial does: the engine then samples row by row and fails that request alone."""
+    logits = torch.randn(2, 50)
+    logits[1] = float("-inf")
+    with pytest.raises(ValueError, match="no token can be sampled"):
+        DeviceSampler(0)(logits, [row([1], [], temperature=0.8), row([1], [], temperature=0.8)])
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs):
     default = LLM(str(tiny_model_dirs["qwen2"]), progress=False)

@@ -204,10 +204,13 @@ class DeviceSampler:
             x = filter_batch(subset, bp)
             # Gumbel-max: argmax of log p - log(-log u) draws from softmax(x); log p is x less a per-row constant
             drawn = torch.argmax(x - torch.log(-torch.log(uniforms(bp.seeds, bp.draws, vocab_size))), dim=-1)
+            # a row that allows no token has nothing to draw (the CPU sampler's multinomial raises there): -1,
+            # raised on the host once the ids are back, so the engine fails that request alone
+            drawn = torch.where(torch.isneginf(x.amax(dim=-1)), -1, drawn)
             tokens = drawn if num_sampled == num_rows else tokens.index_copy(0, bp.sampled, drawn)
         want = [r.params.logprobs for r in rows]
         if all(k is None for k in want):
-            return [SampledToken(t) for t in tokens.tolist()]
+            return [SampledToken(t) for t in _checked(tokens.tolist())]
         max_top = max(k or 0 for k in want)
         logprobs = torch.log_softmax(raw, dim=-1)
         # float64 holds token ids and float32 logprobs exactly, so one tensor carries both
@@ -216,6 +219,7 @@ class DeviceSampler:
             top = torch.topk(logprobs, max_top, dim=-1)
             parts += [top.indices.double(), top.values.double()]
         packed = torch.cat(parts, dim=1).tolist()
+        _checked([int(row[0]) for row in packed])
         out = []
         for k, row in zip(want, packed):
             sampled = SampledToken(int(row[0]))
@@ -225,3 +229,9 @@ class DeviceSampler:
                     sampled.top = [(int(i), v) for i, v in zip(row[2:2 + k], row[2 + max_top:2 + max_top + k])]
             out.append(sampled)
         return out
+
+
+def _checked(tokens: list[int]) -> list[int]:
+    if any(t < 0 for t in tokens):
+        raise ValueError("no token can be sampled: every token's logit is -inf after the filters")
+    return tokens
