@@ -107,7 +107,7 @@ def test_cuda_float32_matches_transformers_on_the_gpu(arch, tiny_model_dirs):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     hf = build_hf_model(arch, seed=0).to(DEVICE).eval()
-    llm = LLM(str(tiny_model_dirs[arch]), progress=False, device=DEVICE, dtype="float32",
+    llm = LLM(str(tiny_model_dirs[arch]), progress=False, device=DEVICE, dtype="float32", kv_cache_dtype="float32",
               max_num_batched_tokens=32)
     runner = llm.engine.runner
     assert runner.device.type == DEVICE and runner.kv_caches[0].k.device.type == DEVICE
@@ -178,3 +178,23 @@ def test_cuda_quantized_weights_run_on_the_triton_kernels(fmt, tol, tiny_model_d
     assert all(m.fmt == fmt and m.qweight.device.type == DEVICE for m in layers)
     share = generate_checked(llm, hf, prompts_of([5, 30, 64], seed=2), 12, tol_logit=tol + 0.15, tol_logprob=tol + 0.15)
     assert share >= 0.7
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_cuda_graph_replays_match_transformers(arch, tiny_model_dirs):
+    """Decode steps replayed from CUDA graphs (five sequences padded to eight rows, gemma's ring pool past its
+    window), teacher-forced against transformers; on the CPU (SUDU_TEST_DEVICE=cpu with
+    SUDU_CUDA_PATH_ON_CPU=1) the same static buffers run without capture."""
+    from sudu.engine.llm import LLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = build_hf_model(arch, seed=0).to(DEVICE).eval()
+    llm = LLM(str(tiny_model_dirs[arch]), progress=False, device=DEVICE, dtype="float32", kv_cache_dtype="float32",
+              cuda_graph_max_batch=8, max_num_batched_tokens=32)
+    step = llm.engine.runner.cuda_step
+    if step is None:
+        pytest.skip("the CUDA path's step needs triton (and SUDU_CUDA_PATH_ON_CPU=1 on the CPU)")
+    assert step.sizes == [1, 2, 4, 8] and (DEVICE != "cuda" or sorted(step.graphs) == step.sizes)
+    share = generate_checked(llm, hf, prompts_of([5, 17, 30, 2, 9], seed=7), 16, tol_logit=1e-3, tol_logprob=1e-3)
+    assert share >= 0.95 and step.replays > 0

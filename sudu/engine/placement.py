@@ -6,16 +6,21 @@ kernel, float32 activations by default.
 CUDA: the same network and scheduler on PyTorch's CUDA kernels. Weights run in --dtype (bfloat16 by
 default; `--quantization auto` is none there, and GGUF checkpoints are dequantized at load), or with
 `--quantization int8 | int4` as the CPU formats' codes on Triton kernels (cuda/quant_linear.py; needs
-triton, which PyTorch's CUDA wheels bring). Attention is SDPA over the paged pool gathered per step, and
-the batch's metadata is built on the host and copied over once per step. The whole batch is
+triton, which PyTorch's CUDA wheels bring). With triton, attention reads the paged pool in place through the
+block tables (cuda/paged_attention.py) and decode steps replay CUDA graphs captured per padded batch size
+(cuda/step.py, `--cuda-graph-max-batch`); without it, SDPA over the pool gathered per step. Either way the
+step's metadata is built on the host and copied over once. The whole batch is
 sampled on the device (layers/device_sampler.py: penalties, filters and draws as batched tensor ops)
 and only the chosen ids, with any logprobs asked for, come back; its draws come from a counter-based
 generator, so a seed reproduces run to run and whatever shares the batch, though not the CPU sampler's
 draws for that seed. Not on CUDA yet, refused at load with a clear error:
 - `--quantization native`: the GGUF files' own blocks run on the CPU kernels only;
-- `--speculative` (its default, auto, is none there): greedy speculation is lossless on the CPU because the kernels compute a row the same way
-  at any batch size (verifying k tokens = k plain steps, bit for bit); cuBLAS picks kernels by shape, so
-  a verified row can differ in the last bits from the plain step's and flip a near-tie.
+- `--speculative` (its default, auto, is none there): greedy speculation is lossless on the CPU because the
+  kernels compute a row the same way at any batch size (verifying k tokens = k plain steps, bit for bit).
+  On CUDA the paged attention and the int8 / int4 kernels are built that way (tiles fixed whatever the
+  batch), but bfloat16 weights go through cuBLAS, which picks kernels by shape, and PyTorch's norms and
+  reductions may split a row differently at another batch size; whether a verified row equals the plain
+  step's there is measured on a GPU (`python -m benchmarks.cuda_engine invariance`) before this is lifted.
 """
 from __future__ import annotations
 
