@@ -131,7 +131,7 @@ class Sudu:
         embed = model.model.embed_tokens.weight
         tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        if model.lm_head.weight is not embed:  # tied: the head reads the whole table anyway
+        if getattr(model.lm_head, "weight", None) is not embed:  # a head on the table itself reads all of it
             total -= embed.numel() * embed.element_size()
         return total
 

@@ -7,7 +7,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 -d .whl llguidance gguf
 #   (both folders listed in .git/info/exclude)
-# Then the device tool's run, carrying .devicebench and .whl:
+# Then the device tool's run, carrying .devicebench and .whl, with a 600 s limit (the steps' limits add up to
+# 575 s, so the status line of every step comes back):
 #   bash benchmarks/device_check.sh
 # A dry run of the script itself on a CPU machine (the kernels in Triton's interpreter; slow, no figures):
 #   SUDU_DEVICE_DRY_RUN=1 OUT=/tmp/device-out bash benchmarks/device_check.sh
@@ -28,11 +29,13 @@ DEVICE=cuda
 ASSETS=.devicebench
 TESTS="tests/test_device.py tests/test_cuda_attention.py tests/test_cuda_quant.py tests/test_device_sampler.py"
 BENCH="--repeat 3"
+PROFILE="--batches 8,32"
 if [ "${SUDU_DEVICE_DRY_RUN:-0}" = 1 ]; then
     DEVICE=cpu
     export SUDU_TEST_DEVICE=cpu SUDU_CUDA_PATH_ON_CPU=1 TRITON_INTERPRET=1
     TESTS="tests/test_cuda_attention.py"
     BENCH="--repeat 1 --tokens 4 --batches 2"
+    PROFILE="--batches 2 --tokens 4"
     ASSETS=/tmp/sudu-devicebench-tiny
     python3 -m benchmarks.cuda_engine prepare --tiny --out $ASSETS --models qwen2.5-coder-0.5b-instruct >/dev/null
 fi
@@ -51,9 +54,9 @@ step() {  # step NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log,
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 } >"$OUT/env.txt" 2>&1
-step tests 240 python3 -m pytest -q -p no:cacheprovider -x --timeout 200 $TESTS
-step invariance 90 python3 -m benchmarks.cuda_engine invariance --device $DEVICE --assets $ASSETS
-step bench 300 python3 -m benchmarks.cuda_engine run --device $DEVICE --assets $ASSETS --models qwen2.5-coder-0.5b-instruct $BENCH \
+step tests 170 python3 -m pytest -q -p no:cacheprovider --timeout 120 $TESTS
+step invariance 75 python3 -m benchmarks.cuda_engine invariance --device $DEVICE --assets $ASSETS
+step bench 270 python3 -m benchmarks.cuda_engine run --device $DEVICE --assets $ASSETS --models qwen2.5-coder-0.5b-instruct $BENCH \
     --json "$OUT/bench.json"
-step profile 60 python3 -m benchmarks.cuda_engine profile --device $DEVICE --assets $ASSETS --batches 8,32 --chunks 0 --trace
+step profile 60 python3 -m benchmarks.cuda_engine profile --device $DEVICE --assets $ASSETS $PROFILE --chunks 0 --trace
 cat "$OUT/status.txt"

@@ -181,5 +181,6 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         batch.block_size,
         GROUP=group, HEAD_DIM=D, V_DIM=Dv, BLOCK_D=max(16, _next_pow2(D)), BLOCK_DV=max(16, _next_pow2(Dv)),
         Q_TOKENS=q_tokens, BLOCK_M=rows, BLOCK_N=BLOCK_N, INT8=int8, IEEE=ieee,
+        num_warps=4 if rows <= 64 else 8,  # a prefill tile's float32 accumulator spread over more threads
     )
     return out

@@ -198,6 +198,7 @@ class CudaStep:
         if b < size:
             self._pad_rows(b, size)
 
+    @torch.inference_mode()
     def _capture_all(self) -> None:
         """One graph per padded size, largest first, sharing one memory pool (only one replays at a time)."""
         pool = torch.cuda.graph_pool_handle()
