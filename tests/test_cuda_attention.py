@@ -106,7 +106,8 @@ def test_ring_table_with_released_blocks_reads_only_the_window():
 
 
 def test_a_rows_result_does_not_depend_on_its_neighbours():
-    """A sequence's rows computed among other sequences equal, bit for bit, the same rows computed alone. On a
+    """A sequence's rows computed among other sequences (a prefill chunk among them, which takes the large tile)
+    equal, bit for bit, the same rows computed alone. On a
     GPU also: the last token of a verification run equals the same token decoded alone (Triton's interpreter
     multiplies tiles with NumPy's BLAS, whose result for a row can depend on where the row sits in the tile, so
     that half needs the real kernel)."""
@@ -114,8 +115,8 @@ def test_a_rows_result_does_not_depend_on_its_neighbours():
     g = torch.Generator().manual_seed(3)
     k = torch.randn(32 * bs, 2, D, generator=g).to(DEVICE)
     v = torch.randn(32 * bs, 2, D, generator=g).to(DEVICE)
-    together, tables = make_batch([1, 5, 2], [9, 17, 13], bs, 32, seed=4)
-    q = torch.randn(8, 4, D, generator=g).to(DEVICE)
+    together, tables = make_batch([1, 5, 2, 12], [9, 17, 13, 20], bs, 32, seed=4)
+    q = torch.randn(20, 4, D, generator=g).to(DEVICE)
     out = torch.empty_like(q)
     paged_attention(q, k, v, together, 0.25, out)
 

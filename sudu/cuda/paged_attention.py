@@ -10,7 +10,9 @@ whole group. Keys are visited in tiles aligned at absolute positions (multiples 
 causality, the sequence's length and the sliding window, with an online softmax whose running maximum starts
 finite: a tile that is wholly masked for a row leaves that row's state exactly as it was, so a row's result
 does not depend on which other rows share its program (the batch-invariance speculative decoding needs), as
-long as the tile shapes are the same, which they are for every sequence with at most SMALL_Q_TILE new tokens.
+long as the tile shapes are the same. They are: sequences with at most SMALL_Q_TILE new tokens always take the
+small tile, in a launch of their own, whatever else is in the step; longer ones take the large tile in a
+second launch (each launch's programs skip the other kind's sequences).
 
 int8 pools (layers/kv_cache.py Int8KVCache) have one scale per (KV head, channel): K's scales are folded into
 the queries (q . (s * k) = (q * s) . k) and V's applied to the output, so the codes are read as they are.
@@ -51,13 +53,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def tile_shape(max_q_len: int, group: int) -> tuple[int, int]:
-    """(tokens per tile, rows per tile) for a step whose longest sequence has max_q_len new tokens and
-    `group` query heads per KV head. Rows are at least 16 (tl.dot's smallest) and a power of two."""
-    if max_q_len <= SMALL_Q_TILE:
+def tile_shape(large: bool, group: int, float32: bool) -> tuple[int, int]:
+    """(tokens per tile, rows per tile) for sequences with at most SMALL_Q_TILE new tokens (large False) or more,
+    with `group` query heads per KV head. Rows are at least 16 (tl.dot's smallest) and a power of two; float32
+    tiles take half the rows (their products need the registers 16-bit ones do not)."""
+    if not large:
         tokens = SMALL_Q_TILE
     else:
-        tokens = max(SMALL_Q_TILE, LARGE_Q_ROWS // _next_pow2(group))
+        tokens = max(SMALL_Q_TILE, (LARGE_Q_ROWS // (2 if float32 else 1)) // _next_pow2(group))
     return tokens, max(16, _next_pow2(tokens * group))
 
 
@@ -76,7 +79,7 @@ def _kernel():
         block_size,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, Q_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr, LARGE: tl.constexpr, SMALL_Q: tl.constexpr,
     ):
         b = tl.program_id(0)
         tile = tl.program_id(1)
@@ -84,7 +87,11 @@ def _kernel():
         q_begin = tl.load(query_start_ptr + b)
         q_len = tl.load(query_start_ptr + b + 1) - q_begin
         seq_len = tl.load(seq_lens_ptr + b)
-        if tile * Q_TOKENS < q_len:
+        if LARGE:  # this launch's kind of sequence (module docstring)
+            mine = q_len > SMALL_Q
+        else:
+            mine = q_len <= SMALL_Q
+        if mine & (tile * Q_TOKENS < q_len):
             m = tl.arange(0, BLOCK_M)
             tok = tile * Q_TOKENS + m // GROUP
             head = kv_head * GROUP + m % GROUP
@@ -101,7 +108,7 @@ def _kernel():
             if IEEE:
                 qd = q
             else:
-                qd = q.to(tl.bfloat16)
+                qd = q.to(q_ptr.dtype.element_ty)  # bfloat16 or float16: the model's own 16-bit type
             m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -120,7 +127,7 @@ def _kernel():
                 if IEEE:
                     s = tl.dot(qd, tl.trans(k.to(tl.float32)), input_precision="ieee")
                 else:
-                    s = tl.dot(qd, tl.trans(k.to(tl.bfloat16)))
+                    s = tl.dot(qd, tl.trans(k.to(tl.float32).to(q_ptr.dtype.element_ty)))
                 see = key_ok[None, :] & (keys[None, :] <= q_pos[:, None]) & row_ok[:, None]
                 see = see & ((window <= 0) | (q_pos[:, None] - keys[None, :] < window))
                 s = tl.where(see, s, float("-inf"))
@@ -133,7 +140,7 @@ def _kernel():
                 if IEEE:
                     pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
                 else:
-                    pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+                    pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(tl.float32).to(q_ptr.dtype.element_ty))
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -160,27 +167,30 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if T == 0 or B == 0:
         return out
     group = H // Hkv
-    q_tokens, rows = tile_shape(batch.max_q_len, group)
     int8 = k_pool.dtype == torch.int8
     if int8 and (k_scale is None or v_scale is None):
         raise ValueError("an int8 pool needs its K and V scales")
-    # float32 steps (--dtype float32) keep float32 products, not TF32; Triton's interpreter computes bfloat16
-    # dot products wrongly, so there every product is float32 (the loads and stores keep their dtypes)
+    # float32 steps (--dtype float32) keep float32 products, not TF32; Triton's interpreter computes 16-bit dot
+    # products wrongly, so there every product is float32 (the loads and stores keep their dtypes)
     ieee = q.dtype == torch.float32 or interpreted()
     if q.stride(-1) != 1 or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("paged attention needs the head dimension contiguous")
     dummy = q.new_empty(0, dtype=torch.float32)
-    grid = (B, -(-batch.max_q_len // q_tokens), Hkv)
-    _kernel()[grid](
-        q, k_pool, v_pool, out,
-        k_scale if int8 else dummy, v_scale if int8 else dummy,
-        batch.block_tables, batch.seq_lens, batch.query_start,
-        float(scale), int(batch.window),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), batch.block_tables.stride(0),
-        batch.block_size,
-        GROUP=group, HEAD_DIM=D, V_DIM=Dv, BLOCK_D=max(16, _next_pow2(D)), BLOCK_DV=max(16, _next_pow2(Dv)),
-        Q_TOKENS=q_tokens, BLOCK_M=rows, BLOCK_N=BLOCK_N, INT8=int8, IEEE=ieee,
-        num_warps=4 if rows <= 64 else 8,  # a prefill tile's float32 accumulator spread over more threads
-    )
+    launches = [False] if batch.max_q_len <= SMALL_Q_TILE else [False, True]
+    for large in launches:
+        q_tokens, rows = tile_shape(large, group, q.dtype == torch.float32)
+        longest = SMALL_Q_TILE if not large else batch.max_q_len
+        _kernel()[(B, -(-longest // q_tokens), Hkv)](
+            q, k_pool, v_pool, out,
+            k_scale if int8 else dummy, v_scale if int8 else dummy,
+            batch.block_tables, batch.seq_lens, batch.query_start,
+            float(scale), int(batch.window),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), batch.block_tables.stride(0),
+            batch.block_size,
+            GROUP=group, HEAD_DIM=D, V_DIM=Dv, BLOCK_D=max(16, _next_pow2(D)), BLOCK_DV=max(16, _next_pow2(Dv)),
+            Q_TOKENS=q_tokens, BLOCK_M=rows, BLOCK_N=BLOCK_N, INT8=int8, IEEE=ieee, LARGE=large,
+            SMALL_Q=SMALL_Q_TILE,
+            num_warps=4 if rows <= 64 else 8,  # a prefill tile's float32 accumulator spread over more threads
+        )
     return out

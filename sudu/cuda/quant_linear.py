@@ -24,7 +24,7 @@ import logging
 import torch
 from torch import nn
 
-from sudu.layers.linear import GROUP_SIZE, q8_0_blocks, quantize_int4, quantize_int8
+from sudu.layers.linear import GROUP_SIZE, q8_0_blocks, quantize_int4, quantize_int8, replace_linears
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _kernels():
                     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N can pass 2^31 (a prompt's logits)
         rk = tl.arange(0, BLOCK_K)
         m_ok, n_ok = rm[:, None] < M, rn[:, None] < N
         groups = K // 32
@@ -79,7 +79,7 @@ def _kernels():
         # Byte c of a K tile holds column 32 * (c // 16) + c % 16 in its low nibble and that + 16 in its high
         # one: the low and the high nibbles each multiply the matching half of x's columns, no shuffles.
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N can pass 2^31 (a prompt's logits)
         rc = tl.arange(0, BLOCK_K // 2)
         col_lo = (rc // 16) * 32 + rc % 16
         m_ok, n_ok = rm[:, None] < M, rn[:, None] < N
@@ -194,24 +194,11 @@ def quantize_model_cuda(model: nn.Module, ckpt, fmt: str, group_size: int = GROU
         raise ValueError(f"unknown quantization {fmt!r} on CUDA; expected none, {', '.join(FORMATS)}")
     if group_size != GROUP_SIZE:
         raise ValueError(f"the CUDA kernels take groups of {GROUP_SIZE}, not {group_size}")
-    replaced, kept = 0, []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        if module.in_features % group_size != 0:
-            kept.append(name)
-            continue
-        qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
-        with torch.no_grad():
-            if fmt == "int8" and qt is not None and qt.ggml_type == "Q8_0":
-                new = TritonQuantizedLinear.from_q8_0(qt, module.bias)
-            else:
-                new = TritonQuantizedLinear.from_float(fmt, module.weight, module.bias)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        replaced += 1
-    if kept:
-        log.warning("quantization %s: kept %d linear layers in float (input width not a multiple of %d): %s",
-                    fmt, len(kept), group_size, ", ".join(kept[:3]))
+    def build(module: nn.Linear, qt) -> nn.Module:
+        if fmt == "int8" and qt is not None and qt.ggml_type == "Q8_0":
+            return TritonQuantizedLinear.from_q8_0(qt, module.bias)
+        return TritonQuantizedLinear.from_float(fmt, module.weight, module.bias)
+
+    replaced = replace_linears(model, ckpt, fmt, group_size, build)
     log.info("quantization %s: %d linear layers, Triton kernels", fmt, replaced)
     return model

@@ -214,7 +214,8 @@ class DeviceSampler:
         max_top = max(k or 0 for k in want)
         logprobs = torch.log_softmax(raw, dim=-1)
         # float64 holds token ids and float32 logprobs exactly, so one tensor carries both
-        parts = [tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double()]
+        # a -1 (no token allowed) gathers row 0's entry: an index out of range is a device-side assert on CUDA
+        parts = [tokens[:, None].double(), logprobs.gather(1, tokens.clamp_min(0)[:, None]).double()]
         if max_top:
             top = torch.topk(logprobs, max_top, dim=-1)
             parts += [top.indices.double(), top.values.double()]

@@ -358,6 +358,29 @@ def resolve_format(requested: str, ckpt) -> str:
     return "none"
 
 
+def replace_linears(model: nn.Module, ckpt, fmt: str, group_size: int, build) -> int:
+    """Every nn.Linear whose input width is a multiple of group_size (itself a multiple of 32) replaced in place
+    by build(module, its GGUF tensor or None); the others stay float (a warning names them). Returns how many
+    were replaced."""
+    replaced, kept = 0, []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        if module.in_features % group_size != 0 or group_size % 32 != 0:
+            kept.append(name)
+            continue
+        qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
+        with torch.no_grad():
+            new = build(module, qt)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced += 1
+    if kept:
+        log.warning("quantization %s: kept %d linear layers in float (input width not a multiple of %d): %s",
+                    fmt, len(kept), group_size, ", ".join(kept[:3]))
+    return replaced
+
+
 def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
     """Replace every nn.Linear whose input width is a multiple of the group size with a QuantizedLinear,
     in place, in format `fmt` (native: layers/gguf_native.py quantize_native). Q8_0
@@ -369,26 +392,14 @@ def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZ
         return quantize_native(model, ckpt)
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; expected none, native, {', '.join(FORMATS)}")
-    replaced, kept = 0, []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        if module.in_features % group_size != 0 or group_size % 32 != 0:
-            kept.append(name)
-            continue
-        qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
-        with torch.no_grad():
-            if fmt == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
-                q, s = q8_0_blocks(qt)
-                new = QuantizedLinear("int8", q, s, None, module.bias, module.in_features, group_size)
-            else:
-                new = QuantizedLinear.from_float(fmt, module.weight, module.bias, group_size)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        replaced += 1
-    if kept:
-        log.warning("quantization %s: kept %d linear layers in float (input width not a multiple of %d): %s",
-                    fmt, len(kept), group_size, ", ".join(kept[:3]))
+
+    def build(module: nn.Linear, qt) -> nn.Module:
+        if fmt == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
+            q, s = q8_0_blocks(qt)
+            return QuantizedLinear("int8", q, s, None, module.bias, module.in_features, group_size)
+        return QuantizedLinear.from_float(fmt, module.weight, module.bias, group_size)
+
+    replaced = replace_linears(model, ckpt, fmt, group_size, build)
     log.info("quantization %s: %d linear layers, native kernels %s", fmt, replaced,
              "on" if kernels.load() is not None else f"off ({kernels.disabled_reason() or 'compile failed'})")
     return model
