@@ -268,51 +268,18 @@ def verdicts(rows: dict, limits: dict, model: str, batches: list[int]) -> None:
 
 def invariance(args) -> None:
     """Per format: the logits of tokens verified k at a time against the same tokens decoded one by one, alone
-    and among other sequences (static-buffer decode steps, CUDA graphs where captured)."""
-    from sudu.cuda.paged_attention import PagedBatch
-    from sudu.layers.attention import AttentionMetadata, AttentionView
+    and among other sequences (cuda/invariance.py, the check the engine runs before it allows --speculative)."""
+    from sudu.cuda.invariance import verification_matches_decoding
 
     global DEVICE
     DEVICE = args.device
     cfg, hf, weights = random_model(Path(args.assets) / args.models.split(",")[0])
     del hf
-    rng = random.Random(1)
-    k, prompt_len, others = 5, 40, 7
     for fmt_name in args.formats:
         side = Sudu(weights, 8, quantization=fmt_name)
-        runner = side.llm.engine.runner
-        model, bs, dev = runner.model, runner.block_size, runner.device
-        blocks_per_seq = -(-(prompt_len + k) // bs)
-
-        def forward(seq_ids: list[list[int]], starts: list[int], seqs: list[int]) -> torch.Tensor:
-            """Sequences `seqs` (each owning blocks seq * blocks_per_seq ...) get seq_ids[i] at positions from
-            starts[i]; returns the logits of every new token."""
-            q_lens = [len(t) for t in seq_ids]
-            bt = torch.tensor([[q * blocks_per_seq + j for j in range(blocks_per_seq)] for q in seqs], dtype=torch.int32)
-            ends = [s + q for s, q in zip(starts, q_lens)]
-            pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
-            which = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(q_lens))
-            slots = bt[which, pos // bs].long() * bs + pos % bs
-            qs = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-            view = AttentionView(slots, paged=PagedBatch(bt, torch.tensor(ends, dtype=torch.int32), qs, max(q_lens), bs))
-            meta = AttentionMetadata(view, None, runner.kv_caches).to(dev)
-            ids = torch.tensor([t for ts in seq_ids for t in ts], device=dev)
-            with torch.inference_mode():
-                return model.compute_logits(model(ids, pos.to(dev), meta)).float()
-
-        prompts = [random_prompts(1, prompt_len, cfg.vocab_size, rng)[0] for _ in range(others + 1)]
-        forward(prompts, [0] * len(prompts), list(range(len(prompts))))  # prefill every sequence
-        tokens = random_prompts(1, k, cfg.vocab_size, rng)[0]
-        verified = forward([tokens], [prompt_len], [0])
-        alone = torch.cat([forward([[t]], [prompt_len + j], [0]) for j, t in enumerate(tokens)])
-        among = torch.cat([forward([[t]] + [[tokens[0]]] * others, [prompt_len + j] + [prompt_len] * others,
-                                   list(range(others + 1)))[:1] for j, t in enumerate(tokens)])
-        for label, other in (("decoded alone", alone), (f"decoded among {others} others", among)):
-            same = [torch.equal(verified[j], other[j]) for j in range(k)]
-            argmax = [int(verified[j].argmax()) == int(other[j].argmax()) for j in range(k)]
-            print(f"{fmt_name}: verified vs {label}: {sum(same)}/{k} rows bit for bit, max |diff| "
-                  f"{(verified - other).abs().max().item():.3g}, argmax equal {sum(argmax)}/{k}", flush=True)
-        del side, runner, model
+        ok, account = verification_matches_decoding(side.llm.engine.runner)
+        print(f"{fmt_name}: {'lossless' if ok else 'NOT lossless'}: {account}", flush=True)
+        del side
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 

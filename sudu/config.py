@@ -15,8 +15,9 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 class EngineConfig:
     model: str = DEFAULT_MODEL  # catalog name, .gguf path or Hugging Face-style directory
     # where the network runs: auto (CUDA when torch sees a GPU, else the CPU) | cpu | cuda | cuda:N.
-    # On CUDA the weights run in --dtype, or as int8 / int4 on Triton kernels; the GGUF files' native blocks
-    # and speculative decoding are CPU-only so far (engine/placement.py)
+    # On CUDA the weights run in --dtype, or as int8 / int4 on Triton kernels; the GGUF files' native blocks,
+    # draft models and MTP are CPU-only so far, n-gram speculation runs where checked lossless at load
+    # (engine/placement.py)
     device: str = "auto"
     # compute dtype of activations and unquantized weights; auto: float32 on the CPU (the native kernels'
     # activations), bfloat16 on CUDA

@@ -55,8 +55,13 @@ def test_device_and_dtype_resolve_as_documented(monkeypatch):
         monkeypatch.setattr(placement, "triton_available", lambda: False)
         with pytest.raises(SuduError, match="triton is not installed"):
             check_supported(EngineConfig(device="cuda", quantization=fmt))
-    with pytest.raises(SuduError, match="CPU engine only"):
+    for spec in ("mtp", "draft:qwen2.5-coder-0.5b-instruct"):
+        with pytest.raises(SuduError, match="CPU engine only"):
+            check_supported(EngineConfig(device="cuda", speculative=spec))
+    with pytest.raises(SuduError, match="ngram on cuda needs the CUDA path's Triton kernels"):
         check_supported(EngineConfig(device="cuda", speculative="ngram"))
+    monkeypatch.setattr(placement, "triton_available", lambda: True)
+    check_supported(EngineConfig(device="cuda", speculative="ngram"))  # then measured at load (cuda/invariance.py)
     check_supported(EngineConfig(device="cpu", quantization="int4", speculative="ngram"))
 
 
@@ -198,3 +203,22 @@ def test_cuda_graph_replays_match_transformers(arch, tiny_model_dirs):
     assert step.sizes == [1, 2, 4, 8] and (DEVICE != "cuda" or sorted(step.graphs) == step.sizes)
     share = generate_checked(llm, hf, prompts_of([5, 17, 30, 2, 9], seed=7), 16, tol_logit=1e-3, tol_logprob=1e-3)
     assert share >= 0.95 and step.replays > 0
+
+
+@needs_cuda
+def test_cuda_ngram_speculation_is_lossless_or_refused(tiny_model_dirs):
+    """int8 weights on the Triton kernels: the load-time check (cuda/invariance.py) either finds verification
+    lossless, and then greedy outputs equal plain decoding's with drafts verified, or refuses with its figures."""
+    from sudu.engine.llm import LLM
+
+    kw = dict(progress=False, device=DEVICE, dtype="bfloat16", quantization="int8")
+    prompts = [p * 3 for p in prompts_of([6, 9, 4], seed=8)]  # repeated text: n-gram drafts find matches
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    plain = [r.token_ids for r in LLM(str(tiny_model_dirs["qwen2"]), speculative="none", **kw).generate(prompts, params)]
+    try:
+        llm = LLM(str(tiny_model_dirs["qwen2"]), speculative="ngram", **kw)
+    except SuduError as exc:
+        assert "would not be lossless" in str(exc) and "rows equal" in str(exc)
+        return
+    assert [r.token_ids for r in llm.generate(prompts, params)] == plain
+    assert llm.engine.speculator.num_draft_tokens > 0

@@ -16,6 +16,7 @@ import torch
 
 from sudu.config import EngineConfig
 from sudu.cache.context import build_block_manager
+from sudu.cuda.invariance import check_speculation
 from sudu.engine import kv_choice, speculative
 from sudu.engine.model_runner import ModelRunner, prepare_network
 from sudu.engine.placement import resolve_device, resolve_dtype
@@ -98,8 +99,13 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
         drafter = speculative.resolve(config, self.runner.device, self.quantization)
+        on_device = self.runner.device.type != "cpu"
+        if drafter != "none" and on_device:  # lossless there only where measured so (cuda/invariance.py)
+            check_speculation(self.runner)
+        # off the CPU only greedy requests are drafted for: a sampled verification draws with CPU generators
         self.speculator = (Speculator(dataclasses.replace(config, speculative=drafter), self, ckpt,
-                                      greedy_only=config.speculative == "auto") if drafter != "none" else None)
+                                      greedy_only=config.speculative == "auto" or on_device)
+                           if drafter != "none" else None)
         ckpt.release_pages()
         release_freed_memory()
         self.memory = memory_report(self)

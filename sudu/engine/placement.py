@@ -15,12 +15,14 @@ and only the chosen ids, with any logprobs asked for, come back; its draws come 
 generator, so a seed reproduces run to run and whatever shares the batch, though not the CPU sampler's
 draws for that seed. Not on CUDA yet, refused at load with a clear error:
 - `--quantization native`: the GGUF files' own blocks run on the CPU kernels only;
-- `--speculative` (its default, auto, is none there): greedy speculation is lossless on the CPU because the
-  kernels compute a row the same way at any batch size (verifying k tokens = k plain steps, bit for bit).
-  On CUDA the paged attention and the int8 / int4 kernels are built that way (tiles fixed whatever the
-  batch), but bfloat16 weights go through cuBLAS, which picks kernels by shape, and PyTorch's norms and
-  reductions may split a row differently at another batch size; whether a verified row equals the plain
-  step's there is measured on a GPU (`python -m benchmarks.cuda_engine invariance`) before this is lifted.
+- `--speculative draft:MODEL | mtp`: only n-gram drafting runs there so far.
+`--speculative ngram` runs on CUDA with triton for greedy requests, if the engine finds at load that it is
+lossless there (cuda/invariance.py): greedy speculation is lossless when a token's logits inside a verification
+run equal, bit for bit, the same token's decoded alone. The CPU kernels guarantee it by construction; on CUDA
+the paged attention and the int8 / int4 kernels are built for it (tiles fixed whatever the batch), but
+bfloat16 weights go through cuBLAS, which picks kernels by shape, and PyTorch's norms may reduce a row
+differently at another batch size, so the engine measures it on the GPU, format and dtype it runs and refuses
+with the figures where it does not hold. auto stays none on CUDA until that is measured on a GPU.
 """
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ def check_supported(config) -> None:
     if config.quantization in ("int8", "int4") and not triton_available():
         raise SuduError(f"--quantization {config.quantization} on {device} runs on Triton kernels, and triton is "
                         "not installed (PyTorch's CUDA wheels bring it); install triton or use --quantization none")
-    if config.speculative not in ("none", "auto"):
-        raise SuduError(f"--speculative runs on the CPU engine only for now: its greedy identity rests on kernels "
-                        f"that compute a row the same way at any batch size, which {device}'s cuBLAS does not "
-                        "promise (engine/placement.py)")
+    if config.speculative not in ("none", "auto", "ngram"):
+        raise SuduError(f"--speculative {config.speculative} runs on the CPU engine only for now; on {device} use "
+                        "--speculative ngram (checked to be lossless at load) or none")
+    if config.speculative == "ngram" and not triton_available():
+        raise SuduError(f"--speculative ngram on {device} needs the CUDA path's Triton kernels, and triton is not "
+                        "installed (PyTorch's CUDA wheels bring it)")
