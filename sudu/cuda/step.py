@@ -17,9 +17,11 @@ without capture: a dry run of this module's padding, buffers and metadata for ma
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 
+import numpy as np
 import torch
 
 from sudu.cuda import triton_available
@@ -59,21 +61,28 @@ def graph_sizes(max_batch: int, max_num_seqs: int) -> list[int]:
 
 
 def block_tables(tables: list[list[int | None]], width: int) -> torch.Tensor:
-    """int32 [B, width], -1 where a sequence has no block (past its end, or a ring's released block)."""
-    out = torch.full((len(tables), width), -1, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        if t:
-            out[i, :len(t)] = torch.tensor([-1 if b is None else b for b in t], dtype=torch.int32)
-    return out
+    """int32 [B, width], -1 where a sequence has no block (past its end, or a ring's released block). Built
+    through NumPy in a fixed number of calls: this runs every step, over every block of every sequence."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    total = int(lens.sum())
+    try:  # a full pool's tables hold ints only
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=total)
+    except TypeError:  # a ring's released blocks are None
+        flat = np.fromiter((-1 if b is None else b for b in itertools.chain.from_iterable(tables)), dtype=np.int32,
+                           count=total)
+    out = np.full((len(tables), width), -1, dtype=np.int32)
+    out[np.arange(width) < lens[:, None]] = flat
+    return torch.from_numpy(out)
 
 
 def new_token_slots(tables: torch.Tensor, starts: list[int], ends: list[int], block_size: int) -> torch.Tensor:
-    """The pool slots of each sequence's positions starts[i]..ends[i]-1 through its row of `tables`, flat."""
-    n = torch.tensor([e - s for s, e in zip(starts, ends)])
-    which = torch.repeat_interleave(torch.arange(len(ends)), n)
-    first = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)[:-1]])
-    pos = torch.tensor(starts)[which] + torch.arange(int(n.sum())) - first[which]
-    return tables[which, pos // block_size].long() * block_size + pos % block_size
+    """The pool slots (int64) of each sequence's positions starts[i]..ends[i]-1 through its row of `tables`
+    (a host tensor from block_tables), flat."""
+    first = np.asarray(starts, dtype=np.int64)
+    n = np.asarray(ends, dtype=np.int64) - first
+    which = np.repeat(np.arange(len(n)), n)
+    pos = np.repeat(first - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+    return torch.from_numpy(tables.numpy()[which, pos // block_size].astype(np.int64) * block_size + pos % block_size)
 
 
 class CudaStep:
