@@ -38,7 +38,7 @@ class PagedBatch:
     """The step's sequences as the kernel reads them (all on the pool's device)."""
 
     block_tables: torch.Tensor  # int32 [B, max_blocks]; -1 where a block is absent (a ring's released blocks)
-    seq_lens: torch.Tensor  # int32 [B] positions each sequence has after this step
+    seq_lens: torch.Tensor  # int32 or int64 [B] positions each sequence has after this step
     query_start: torch.Tensor  # int32 [B + 1] first row of each sequence's new tokens in the flat batch
     max_q_len: int  # the most new tokens of one sequence (picks the tile shape and the grid)
     block_size: int  # positions per block

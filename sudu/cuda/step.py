@@ -152,28 +152,37 @@ class CudaStep:
         return out[:b]
 
     def _allocate_static(self, n: int) -> None:
-        dev, i32 = self.device, torch.int32
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=i32, device=dev)
-        self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one new token per sequence, always
-        self.full_slots = torch.zeros(n, dtype=torch.long, device=dev)
-        self.full_bt = torch.full((n, self.width), -1, dtype=i32, device=dev)
-        self.ring_slots = torch.zeros(n, dtype=torch.long, device=dev) if self.ring else None
-        self.ring_bt = torch.full((n, self.width), -1, dtype=i32, device=dev) if self.ring else None
+        """The graphs' inputs: one int64 [5, n] buffer (ids, positions, lengths, slots, ring slots) and one int32
+        [tables, n, width] buffer of block tables, each mirrored on the host (pinned on CUDA), so that a step's
+        inputs go over in two copies."""
+        dev, pin = self.device, self.device.type == "cuda"
+        self.rows = torch.zeros(5, n, dtype=torch.long, device=dev)
+        self.rows_host = torch.zeros(5, n, dtype=torch.long, pin_memory=pin)
+        self.ids, self.positions, self.seq_lens, self.full_slots, self.ring_slots = self.rows
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)  # one new token per sequence
+        tables = 2 if self.ring else 1
+        self.tables = torch.full((tables, n, self.width), -1, dtype=torch.int32, device=dev)
+        self.tables_host = torch.full((tables, n, self.width), -1, dtype=torch.int32, pin_memory=pin)
+        self.full_bt, self.ring_bt = self.tables[0], self.tables[1] if self.ring else None
+        bs = self.block_size
+        ring_slot = self.scratch_ring * bs if self.ring else 0
+        # a padding row: token 0 at position 0, one position long, in the scratch block
+        self.padding = np.array([0, 0, 1, self.scratch_full * bs, ring_slot], dtype=np.int64)[:, None]
+        self.padding_blocks = np.array([self.scratch_full, self.scratch_ring or 0][:tables], dtype=np.int32)[:, None]
         self._pad_rows(0, n)
+        self._send(n)
 
     def _pad_rows(self, lo: int, hi: int) -> None:
-        """Rows lo..hi-1 as padding: one position in the scratch block."""
-        bs = self.block_size
-        self.ids[lo:hi] = 0
-        self.positions[lo:hi] = 0
-        self.seq_lens[lo:hi] = 1
-        self.full_slots[lo:hi] = self.scratch_full * bs
-        self.full_bt[lo:hi, 0] = self.scratch_full
-        if self.ring:
-            self.ring_slots[lo:hi] = self.scratch_ring * bs
-            self.ring_bt[lo:hi, 0] = self.scratch_ring
+        """Host rows lo..hi-1 as padding (one position in the scratch block)."""
+        self.rows_host.numpy()[:, lo:hi] = self.padding
+        self.tables_host.numpy()[:, lo:hi, 0] = self.padding_blocks
+
+    def _send(self, size: int) -> None:
+        """The host buffers' first `size` rows to the device. Asynchronous from pinned memory: the host side is
+        next written by the next step's _fill, after this step's sampler has waited for its ids, which come
+        after this copy on the stream."""
+        self.rows.copy_(self.rows_host, non_blocking=True)
+        self.tables[:, :size].copy_(self.tables_host[:, :size], non_blocking=True)
 
     def _static_metadata(self, n: int) -> AttentionMetadata:
         """Metadata over the first n rows of the static buffers (views: a replay sees what _fill wrote)."""
@@ -194,18 +203,17 @@ class CudaStep:
         b, bs = len(scheduled), self.block_size
         ends = [p + 1 for p in positions]
         width = max(-(-e // bs) for e in ends)
+        rows, tables = self.rows_host.numpy(), self.tables_host.numpy()
+        rows[0, :b], rows[1, :b], rows[2, :b] = ids, positions, ends
         full_bt = block_tables([s.seq.block_table for s in scheduled], width)
-        self.ids[:b].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:b].copy_(torch.tensor(positions), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(ends, dtype=torch.int32), non_blocking=True)
-        self.full_slots[:b].copy_(new_token_slots(full_bt, positions, ends, bs), non_blocking=True)
-        self.full_bt[:b, :width].copy_(full_bt, non_blocking=True)
+        rows[3, :b] = new_token_slots(full_bt, positions, ends, bs).numpy()
+        tables[0, :b, :width] = full_bt.numpy()
         if self.ring:
             ring_bt = block_tables([s.seq.sliding_block_table for s in scheduled], width)
-            self.ring_slots[:b].copy_(new_token_slots(ring_bt, positions, ends, bs), non_blocking=True)
-            self.ring_bt[:b, :width].copy_(ring_bt, non_blocking=True)
-        if b < size:
-            self._pad_rows(b, size)
+            rows[4, :b] = new_token_slots(ring_bt, positions, ends, bs).numpy()
+            tables[1, :b, :width] = ring_bt.numpy()
+        self._pad_rows(b, size)
+        self._send(size)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -214,6 +222,7 @@ class CudaStep:
         try:
             for size in reversed(self.sizes):
                 self._pad_rows(0, size)
+                self._send(size)
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
