@@ -3,7 +3,9 @@
 - paged_attention.py: attention that reads K/V through the block table on the device (decode, speculative
   verification, prefill and mixed chunks in one varlen kernel; GQA, sliding windows, int8 KV);
 - quant_linear.py: weight-only int8 / int4 matrix products (the CPU formats' row layout and values);
-- graphs.py: decode steps captured as CUDA graphs per padded batch size, step metadata in static buffers;
+- step.py: a step's block tables on the device, decode steps captured as CUDA graphs per padded batch size
+  with their metadata in static buffers;
+- invariance.py: the load-time check that verified rows equal decoded ones (what --speculative needs);
 - device_sampler.py lives with the samplers (layers/device_sampler.py): the whole batch sampled on the device.
 
 Triton ships with PyTorch's CUDA builds. Without a GPU its interpreter (TRITON_INTERPRET=1, read when a kernel

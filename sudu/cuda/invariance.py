@@ -15,6 +15,7 @@ import random
 import torch
 
 from sudu.cuda.paged_attention import PagedBatch
+from sudu.cuda.step import block_tables, new_token_slots
 from sudu.errors import SuduError
 from sudu.layers.attention import AttentionMetadata, AttentionView
 
@@ -42,11 +43,10 @@ def verification_matches_decoding(runner, k: int = 5, prompt_len: int = 40, othe
         """Sequences `seqs` (sequence q owns blocks q * per_seq ...) get seq_ids[i] from position starts[i];
         the logits of every new token."""
         q_lens = [len(t) for t in seq_ids]
-        bt = torch.tensor([[q * per_seq + j for j in range(per_seq)] for q in seqs], dtype=torch.int32)
+        bt = block_tables([[q * per_seq + j for j in range(per_seq)] for q in seqs], per_seq)
         ends = [s + n for s, n in zip(starts, q_lens)]
         pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
-        which = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(q_lens))
-        slots = bt[which, pos // bs].long() * bs + pos % bs
+        slots = new_token_slots(bt, starts, ends, bs)
         qs = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
         lens = torch.tensor(ends, dtype=torch.int32)
         full = AttentionView(slots, paged=PagedBatch(bt, lens, qs, max(q_lens), bs))
