@@ -212,6 +212,17 @@ def test_outputs_through_the_router_equal_one_engine(cluster, tiny_model_dirs):
 
 
 @pytest.mark.slow
+def test_replicas_run_at_nice_0(cluster):
+    """Ray starts workers at nice 15, where every process at nice 0 preempts the engine's threads."""
+    proc, _ = cluster
+    pids = _replica_pids(proc.pid)
+    assert len(pids) == 2
+    for pid in pids:
+        nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+        assert nice == 0, (pid, nice)
+
+
+@pytest.mark.slow
 def test_conversations_stay_where_their_prefix_is_cached(cluster):
     _, url = cluster
     sessions = [_tokens(50 * s, 3 * BLOCK) for s in range(4)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from typing import AsyncIterator
 
@@ -17,6 +18,7 @@ from ray import serve
 from sudu.cluster.cache_view import summarize
 from sudu.cluster.handoff import (Handoff, check_handoff_supported, export_prompt_blocks, handoff_route,
                                   import_prompt_blocks)
+from sudu.cluster.passing_thread import in_passing_thread
 from sudu.config import EngineConfig
 from sudu.engine.outputs import RequestOutput
 from sudu.engine.request import CheckedRequest
@@ -26,8 +28,9 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, max_queue_len: int, stall_timeout_s: float):
         from sudu.engine.async_engine import AsyncLLMEngine
 
-        self.engine = AsyncLLMEngine(config, max_queue_len=max_queue_len, progress=False,
-                                     stall_timeout_s=stall_timeout_s)
+        # loaded in a thread that ends with the load, so the engine thread's OpenMP team is the only one
+        self.engine = in_passing_thread(lambda: AsyncLLMEngine(config, max_queue_len=max_queue_len, progress=False,
+                                                               stall_timeout_s=stall_timeout_s))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -44,7 +47,8 @@ class EngineReplica:
         eng = self.engine.engine
         return {"model_name": self.engine.model_name, "max_model_len": eng.max_model_len,
                 "vocab_size": eng.model_config.vocab_size, "pool_tokens": eng.runner.num_blocks * eng.config.block_size,
-                "tokenizer": eng.tokenizer, "eos_token_ids": sorted(eng.eos_token_ids)}
+                "tokenizer": eng.tokenizer, "eos_token_ids": sorted(eng.eos_token_ids),
+                "niceness": os.nice(0)}
 
     async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0, handoff=None
                        ) -> AsyncIterator[RequestOutput]:

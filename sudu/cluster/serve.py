@@ -31,8 +31,11 @@ HEALTH_TIMEOUT_S = 5.0
 # gRPC messages (a request's arguments, a streamed output) may exceed gRPC's 4 MiB default (a long prompt's
 # logprobs): their limit is raised to 1 GiB. The mode's direct ingress (each ingress replica serving HTTP
 # and gRPC on ports of its own, with a 35 s minimum drain) is off: sudu's ingress is its own app.
-THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30),
-                  "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+# Ray starts its workers at nice 15. A replica's engine threads then yield the core to every wakeup of the
+# ingress and Ray's own processes at nice 0, and its parallel steps wait for the descheduled thread: workers
+# run at nice 0 (the raylet reads this when it starts: a local instance here; `ray start` on a cluster).
+RAY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30),
+           "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_worker_niceness": "0"}
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +90,7 @@ class Cluster:
         self.config = dataclasses.replace(config, num_threads=config.num_threads or max(1, int(cpus)))
         self.started_ray = False
         self.engine = None
-        for key, value in THROUGHPUT_ENV.items():
+        for key, value in RAY_ENV.items():
             os.environ.setdefault(key, value)
         self._init_ray()
 
@@ -153,6 +156,9 @@ class Cluster:
                                     max_in_flight=args.replicas * max_ongoing,
                                     prefill_app=PREFILL_APP_NAME if self.num_prefill else None,
                                     num_prefill=self.num_prefill)
+        if info.get("niceness", 0) > 0:
+            log.warning("the replicas run at nice %d, so every other process on their cores preempts their engine "
+                        "threads; start the Ray nodes with RAY_worker_niceness=0 (docs/cluster.md)", info["niceness"])
         log.info("%s of %s on Ray Serve (%.1f CPUs, %d threads each; routing %s)",
                  f"{self.num_prefill} prefill + {args.replicas} decode replicas" if self.num_prefill else f"{args.replicas} replicas",
                  info["model_name"], self.replica_cpus, self.config.num_threads, args.routing)
