@@ -1,0 +1,114 @@
+"""Where the cores go while one stream decodes: `sudu serve` (plain, or with --replicas) is started, and
+for a few greedy streams of fixed length the client reports tokens per second after the first and the
+CPU each process took (percent of one core), plus, for a Ray replica, each of its threads. An engine
+whose compute threads sit well under 100% of a core while they decode is waiting, not computing: that
+is how the replica's second OpenMP team and its nice-15 threads showed up (docs/cluster.md).
+
+    flock /tmp/sudu-bench.lock python -m benchmarks.cluster_cpu [--serve-args "--replicas 1"] [--streams 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+
+import httpx
+import psutil
+
+from sudu.bench.local_server import free_port, serve_command, stop_server, wait_for_health
+
+
+def cpu_seconds() -> dict[int, tuple[float, str]]:
+    out = {}
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (t.user + t.system, " ".join(p.info["cmdline"] or [p.info["name"]])[:80])
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
+def replica_thread_seconds() -> dict[int, tuple[float, str]]:
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if "ServeReplica" not in " ".join(p.info["cmdline"] or []):
+            continue
+        try:
+            for t in p.threads():
+                try:
+                    name = open(f"/proc/{p.pid}/task/{t.id}/comm").read().strip()
+                except OSError:
+                    name = "?"
+                out[t.id] = (t.user_time + t.system_time, f"replica {p.pid} thread {name}")
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
+def report(before: dict, after: dict, wall: float, label: str, top: int) -> None:
+    rows = sorted(((c - before.get(k, (0.0, ""))[0], k, name) for k, (c, name) in after.items()), reverse=True)
+    print(f"  {label} ({wall:.1f} s):")
+    for used, key, name in rows[:top]:
+        if used / wall >= 0.005:
+            print(f"    {100 * used / wall:6.1f}% of a core  {key:>7}  {name}")
+
+
+def stream(url: str, model: str, prompt: str, tokens: int) -> tuple[int, float]:
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    first = last = None
+    usage = 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage") and not chunk.get("choices"):
+                usage = chunk["usage"]["completion_tokens"]
+                continue
+            last = time.perf_counter()
+            first = first or last
+    return usage, (last - first) if first and last else 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: sudu serve's default model")
+    p.add_argument("--serve-args", default="--replicas 1", help="extra `sudu serve` flags ('' for plain)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--top", type=int, default=8, help="processes (threads) listed per stream")
+    args = p.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    extra = f"--disk-cache-size 0 --speculative none --num-threads {args.threads} {args.serve_args}"
+    if "--replicas" in args.serve_args and "--replica-cpus" not in args.serve_args:
+        extra += f" --replica-cpus {args.threads}"
+    log = tempfile.NamedTemporaryFile(prefix="cluster-cpu-", suffix=".log", delete=False)
+    proc = subprocess.Popen(serve_command(port, args.model, extra), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_health(proc, url, 900, log.name)
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        stream(url, model, "warm up", 8)
+        print(f"sudu serve {extra}")
+        for i in range(args.streams):
+            procs, threads, t0 = cpu_seconds(), replica_thread_seconds(), time.perf_counter()
+            tokens, decode_s = stream(url, model, f"{i}: write a long story about a lighthouse keeper", args.tokens)
+            wall = time.perf_counter() - t0
+            print(f"stream {i + 1}: {tokens} tokens, {(tokens - 1) / decode_s:.1f} tok/s after the first")
+            report(procs, cpu_seconds(), wall, "processes", args.top)
+            if threads:
+                report(threads, replica_thread_seconds(), wall, "the replica's threads", args.top)
+    finally:
+        stop_server(proc)
+
+
+if __name__ == "__main__":
+    main()
