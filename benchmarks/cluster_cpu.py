@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -102,6 +103,8 @@ def main() -> None:
             procs, threads, t0 = cpu_seconds(), replica_thread_seconds(), time.perf_counter()
             tokens, decode_s = stream(url, model, f"{i}: write a long story about a lighthouse keeper", args.tokens)
             wall = time.perf_counter() - t0
+            if tokens < 2 or decode_s <= 0:
+                sys.exit(f"cluster_cpu: stream {i + 1} returned {tokens} tokens; nothing to time (log: {log.name})")
             print(f"stream {i + 1}: {tokens} tokens, {(tokens - 1) / decode_s:.1f} tok/s after the first")
             report(procs, cpu_seconds(), wall, "processes", args.top)
             if threads:

@@ -156,7 +156,7 @@ class Cluster:
                                     max_in_flight=args.replicas * max_ongoing,
                                     prefill_app=PREFILL_APP_NAME if self.num_prefill else None,
                                     num_prefill=self.num_prefill)
-        if info.get("niceness", 0) > 0:
+        if info["niceness"] > 0:
             log.warning("the replicas run at nice %d, so every other process on their cores preempts their engine "
                         "threads; start the Ray nodes with RAY_worker_niceness=0 (docs/cluster.md)", info["niceness"])
         log.info("%s of %s on Ray Serve (%.1f CPUs, %d threads each; routing %s)",
