@@ -3,6 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The temperature the samplers divide by is capped here. float32 holds no larger finite value near it:
+# a temperature beyond float32's range becomes inf there, and a masked (-inf) logit divided by inf is
+# NaN. Under this cap every finite logit's quotient is already 0, so the distribution is the same
+# (uniform over the tokens not masked).
+MAX_SCALED_TEMPERATURE = 1e30
+
 
 @dataclass
 class SamplingParams:
@@ -50,6 +56,11 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+
+    @property
+    def scaled_temperature(self) -> float:
+        """What the samplers divide the logits by."""
+        return min(self.temperature, MAX_SCALED_TEMPERATURE)
 
     @property
     def greedy(self) -> bool:

@@ -197,6 +197,20 @@ def test_a_masked_row_returns_its_one_allowed_token():
             assert tok.token_id in ids
 
 
+@pytest.mark.parametrize("sampler", [Sampler, DeviceSampler])
+def test_a_temperature_past_float32s_range_draws_uniformly_from_the_allowed_tokens(sampler):
+    """A temperature that float32 holds only as inf would make a masked (-inf) logit NaN: both samplers
+    cap it (sampling.py MAX_SCALED_TEMPERATURE) and draw uniformly among the tokens not masked."""
+    logits = torch.randn(1, 50) * 4
+    logits[0, 10:] = float("-inf")
+    counts = torch.zeros(50)
+    draw = sampler(0)
+    for seed in range(400):
+        counts[draw(logits, [row([1], [], seed=seed, temperature=1.8e89, min_p=0.5)])[0].token_id] += 1
+    assert counts[10:].sum() == 0
+    assert counts[:10].min() >= 15  # uniform: 40 each expected
+
+
 def test_a_sampled_row_that_allows_no_token_raises():
     """As the CPU sampler's multinomial does: the engine then samples row by row and fails that request alone."""
     logits = torch.randn(2, 50)

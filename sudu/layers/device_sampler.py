@@ -98,7 +98,7 @@ def batch_params(rows: list[SamplingRow], vocab_size: int, device: torch.device,
             ints["has_top_k"].append(int(has_k))
             ints["seeds"].append(seed - (1 << 64) if seed >= 1 << 63 else seed)  # as int64's two's complement
             ints["draws"].append(len(r.output_token_ids) & _MASK32)
-            floats["temperature"].append(p.temperature)
+            floats["temperature"].append(p.scaled_temperature)
             floats["top_p"].append(p.top_p)
             floats["min_p"].append(p.min_p)
         if p.repetition_penalty != 1.0:

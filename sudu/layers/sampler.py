@@ -56,7 +56,7 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."""
-    logits = logits / p.temperature
+    logits = logits / p.scaled_temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
