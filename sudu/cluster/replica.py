@@ -63,7 +63,8 @@ class EngineReplica:
                 lambda eng: import_prompt_blocks(eng, request.prompt_token_ids, handoff.payload, handoff.namespace))
             route = handoff_route(handoff, imported, time.perf_counter() - t0, received)
         async for out in self.engine.generate(request_id, request, priority):
-            yield dataclasses.replace(out, route={**(out.route or {}), **route}) if route else out
+            # the prompt goes back to the ingress with every output otherwise; the ingress has it (engine.py)
+            yield dataclasses.replace(out, prompt_token_ids=[], route={**(out.route or {}), **route} if route else out.route)
 
     def check_handoff(self) -> None:
         check_handoff_supported(self.engine.engine)

@@ -11,8 +11,7 @@ import dataclasses
 import logging
 import os
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from sudu.config import EngineConfig
 
@@ -126,6 +125,8 @@ class Cluster:
                 ray_actor_options={"num_cpus": self.replica_cpus},
                 health_check_period_s=2.0, health_check_timeout_s=max(30.0, args.engine_stall_timeout),
                 graceful_shutdown_timeout_s=args.shutdown_timeout,
+                # the ingress's access log records every request; a replica's own would cost each call a record
+                logging_config={"enable_access_log": False},
                 request_router_config=RequestRouterConfig(
                     request_router_class="sudu.cluster.router.CacheAwareRouter",
                     request_router_kwargs={"policy": args.routing, "imbalance_threshold": args.routing_imbalance},
@@ -171,27 +172,21 @@ class Cluster:
 
         state = app.state.sudu
         state.metrics.registry.register(ReplicaCollector(lambda: self.engine))
-        self._install_health(app)
+        state.health = self._replica_health
 
-    def _install_health(self, app: FastAPI) -> None:
+    async def _replica_health(self) -> tuple[int, dict]:
         """/health with the replicas: 200 `ok` when all are running, 200 `degraded` (still serving) while
         some are missing, 503 `unavailable` when none is. Before the replicas are up, after a failure and
-        while shutting down, the app's own /health answers."""
-        state = app.state.sudu
-
-        @app.middleware("http")
-        async def replica_health(request: Request, call_next):
-            if (request.url.path != "/health" or request.method != "GET" or state.engine is None
-                    or state.draining or state.engine_failure is not None):
-                return await call_next(request)
-            try:
-                replicas = await asyncio.wait_for(asyncio.to_thread(state.engine.replicas), HEALTH_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 -- the controller did not answer: say so, keep serving
-                return JSONResponse({"status": "degraded", "error": f"Ray Serve status unavailable: {exc!r}"})
-            if replicas["running"] == 0:
-                return JSONResponse({"status": "unavailable", "replicas": replicas}, status_code=503)
-            status = "ok" if replicas["running"] >= replicas["target"] else "degraded"
-            return JSONResponse({"status": status, "replicas": replicas})
+        while shutting down, the app's own /health answers (it asks this only once the engine is ready).
+        A hook, not an HTTP middleware: Starlette's BaseHTTPMiddleware would wrap every response of the
+        app, each streamed chunk included."""
+        try:
+            replicas = await asyncio.wait_for(asyncio.to_thread(self.engine.replicas), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- the controller did not answer: say so, keep serving
+            return 200, {"status": "degraded", "error": f"Ray Serve status unavailable: {exc!r}"}
+        if replicas["running"] == 0:
+            return 503, {"status": "unavailable", "replicas": replicas}
+        return 200, {"status": "ok" if replicas["running"] >= replicas["target"] else "degraded", "replicas": replicas}
 
     def stop(self) -> None:
         import ray

@@ -17,7 +17,7 @@ import threading
 import time
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import Depends, FastAPI
 
@@ -45,6 +45,9 @@ class ServerState:
     load_engine: Callable[[], ServingEngine] | None = None
     on_load_error: Callable[[BaseException], None] | None = None
     on_engine_failure: Callable[[str], None] | None = None
+    # /health's answer once the engine is ready, where the engine has more to say than 200 `ok` (a cluster's
+    # replicas): (status code, body)
+    health: Callable[[], Awaitable[tuple[int, dict]]] | None = None
     load_error: str | None = None
     engine_failure: str | None = None  # why the engine cannot continue, once it cannot
     draining: bool = False

@@ -93,6 +93,9 @@ def open_routes(state: ServerState) -> APIRouter:
             else:
                 body = {"status": "loading"}
             return JSONResponse(body, status_code=503)
+        if state.health is not None:
+            status_code, body = await state.health()
+            return JSONResponse(body, status_code=status_code)
         return {"status": "ok"}
 
     @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
