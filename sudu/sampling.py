@@ -3,10 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The temperature the samplers divide by is capped here. float32 holds no larger finite value near it:
-# a temperature beyond float32's range becomes inf there, and a masked (-inf) logit divided by inf is
-# NaN. Under this cap every finite logit's quotient is already 0, so the distribution is the same
-# (uniform over the tokens not masked).
+# The temperature the samplers divide by is capped here, inside float32's range: a larger one becomes inf
+# in float32, and a masked (-inf) logit divided by inf is NaN. At the cap every finite logit's quotient is
+# already 0, so the distribution is the same (uniform over the tokens not masked).
 MAX_SCALED_TEMPERATURE = 1e30
 
 

@@ -83,11 +83,11 @@ class ClusterEngine:
         arguments by reference; otherwise calls go by value (gRPC where Serve's mode enables it), pickled
         with the standard library's pickle: sudu's requests and outputs are importable dataclasses, which
         cloudpickle (Serve's default) pickles about three times slower."""
-        by_reference = ({"_by_reference": True} if self.prefill_app else
+        call_options = ({"_by_reference": True} if self.prefill_app else
                         {"request_serialization": "pickle", "response_serialization": "pickle"})
-        self.handle = self._request_handle(self.app_name, stream=True, **by_reference)
+        self.handle = self._request_handle(self.app_name, stream=True, **call_options)
         if self.prefill_app:
-            self.prefill = self._request_handle(self.prefill_app, **by_reference)
+            self.prefill = self._request_handle(self.prefill_app, **call_options)
 
     def _request_handle(self, app_name: str, **options):
         """A handle of its own (not Serve's cached one, which the loading thread initialised), initialised
