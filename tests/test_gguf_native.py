@@ -88,6 +88,35 @@ def test_each_format_matches_the_reference(ggml_type):
         assert torch.equal(outputs[("avx2", 64)], outputs[("native", 64)])
 
 
+@pytest.mark.parametrize("ggml_type", list(BLOCKS))
+def test_the_largest_codes_against_the_largest_activations_do_not_overflow(ggml_type):
+    """Every code and sub-block scale at its largest (all bits set) against activations that all round to
+    +127 or -127: the AVX2 kernels sum maddubs' int16 pairs over several chunks before widening them, and
+    these are the sums closest to int16's limit."""
+    n, k = 32, 512
+    qt = random_tensor(ggml_type, n, k)
+    per, size, f16_at = BLOCKS[ggml_type]
+    blocks = qt.blocks.reshape(n, k // per, size)
+    fields = np.zeros(size, dtype=bool)
+    for at in f16_at:
+        fields[at:at + 2] = True
+    blocks[:, :, ~fields] = 0xFF
+    qt = QuantizedTensor("w", "w", ggml_type, (n, k), blocks.reshape(n, -1))
+    ref = reference_weight(qt)
+    layer = gguf_native.native_layer(qt, None)
+    x = torch.ones(4, k)
+    x[1] = -1
+    x[2, ::2] = -1  # mixed signs within a block
+    x[3] = 0.5
+    want = x.double() @ ref.double().T
+    for isa in isas():
+        ext.set_isa(isa)
+        for m in (1, 4):
+            y = layer(x[:m])
+            err = (y.double() - want[:m]).abs().max() / want[:m].abs().max()
+            assert err < 2e-5, (isa, m, float(err))
+
+
 def test_fused_layers_of_mixed_formats_equal_their_parts():
     """q/k/v of three formats (and gate/up of one) fused into one segmented call: the same outputs, bit for
     bit, as the separate layers, at 1 and 7 rows, through the kernels and dequantized."""

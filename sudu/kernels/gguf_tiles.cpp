@@ -181,7 +181,13 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
   constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
   const int64_t nb = a.nb, ng = nb / G;
   const __m256i ones = _mm256_set1_epi16(1);
-  auto dot4 = [&](__m256i q, int x4) { return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)), ones); };
+  // maddubs' int16 pairs of codes times activations (|x| <= 127), summed in int16 over as many chunks as
+  // cannot overflow (a chunk: 2 pairs per lane, at most 2 * 2 * 127 * max code), before one madd widens
+  // them: 4-bit codes over a whole block, 5-bit over 2 chunks, Q6_K's 6-bit over each chunk. Exact integers,
+  // the sums the VNNI path accumulates in int32.
+  constexpr int PAIRS16 = F == Q4_K ? 4 : F == Q6_K ? 1 : 2;
+  static_assert(PAIRS16 * 4 * 127 * ((1 << (4 + high_bits(F))) - 1) <= 32767, "int16 sums overflow");
+  auto dot2 = [&](__m256i q, int x4) { return _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)); };
   for (int64_t t = 0; t < count; ++t) {
     const uint8_t* tp = p + t * ng * GB;
     for (int h = 0; h < 2; ++h) {
@@ -203,13 +209,19 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
           for (int i = 0; i < R; ++i) S[i] = S2[i] = _mm256_setzero_si256();
           __m256i W0, W1;
           high_words256<F>(bp, h, W0, W1);
+          __m256i P[R];
           auto chunk = [&](auto cc) {
             constexpr int c = decltype(cc)::value;
             __m256i lo, hi;
             codes256<F, c>(bp, h, W0, W1, lo, hi);
-            __m256i* T = (F == Q6_K && c >= 2) ? S2 : S;
-            for (int i = 0; i < R; ++i)
-              T[i] = _mm256_add_epi32(T[i], _mm256_add_epi32(dot4(lo, a.x4(i, 32 * b + 8 * c)), dot4(hi, a.x4(i, 32 * b + 8 * c + 4))));
+            for (int i = 0; i < R; ++i) {
+              const __m256i m = _mm256_add_epi16(dot2(lo, a.x4(i, 32 * b + 8 * c)), dot2(hi, a.x4(i, 32 * b + 8 * c + 4)));
+              P[i] = c % PAIRS16 == 0 ? m : _mm256_add_epi16(P[i], m);
+            }
+            if constexpr ((c + 1) % PAIRS16 == 0) {
+              __m256i* T = (F == Q6_K && c >= 2) ? S2 : S;
+              for (int i = 0; i < R; ++i) T[i] = _mm256_add_epi32(T[i], _mm256_madd_epi16(P[i], ones));
+            }
           };
           chunk(std::integral_constant<int, 0>{});
           chunk(std::integral_constant<int, 1>{});

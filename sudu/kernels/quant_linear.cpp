@@ -207,14 +207,20 @@ void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias
           _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
           if (INT4) {
+            // int16 sums over the whole block, widened once below: 8 pairs of at most 2 * 15 * 127 per lane
             const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-            for (int i = 0; i < R; ++i)
-              S[i] = _mm256_add_epi32(S[i], _mm256_add_epi32(dot4(lo, a.x4(i, 32 * b + 8 * c)), dot4(hi, a.x4(i, 32 * b + 8 * c + 4))));
+            for (int i = 0; i < R; ++i) {
+              const __m256i m = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a.x4(i, 32 * b + 8 * c))),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a.x4(i, 32 * b + 8 * c + 4))));
+              S[i] = c == 0 ? m : _mm256_add_epi16(S[i], m);
+            }
           } else {
             const __m256i q = _mm256_xor_si256(raw, flip);
             for (int i = 0; i < R; ++i) S[i] = _mm256_add_epi32(S[i], dot4(q, a.x4(i, 32 * b + 4 * c)));
           }
         }
+        if (INT4)
+          for (int i = 0; i < R; ++i) S[i] = _mm256_madd_epi16(S[i], ones);
         const uint8_t* sat = (INT4 ? tp + b * Q4_BLOCK_BYTES + 256 : q8_scales(tp, b)) + 16 * h;
         const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sat)));
         const __m256 mv = INT4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sat + 32))) : sv;
