@@ -26,6 +26,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <cstdint>
 #include <type_traits>
@@ -371,21 +372,38 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
   }
 }
 
-// The jobs' tiles as one range split over threads: one fork and join for all of them, each thread
-// streaming consecutive tiles. A tile's outputs do not depend on which thread or call computes it.
+// Chunks per thread that run_jobs cuts the tiles into.
+constexpr int64_t CHUNKS_PER_THREAD = 8;
+
+// The jobs' tiles as one range over threads: one fork and join for all of them. The threads take chunks of
+// consecutive tiles from a shared counter, so a thread the OS preempts (another process waking on its core)
+// leaves its remaining chunks to the others instead of holding every thread at the join; with a static
+// split, each preemption costs its length on every thread. A tile's outputs do not depend on which thread
+// or call computes it.
 void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     jobs[i].first = total;
     total += jobs[i].ntiles;
   }
-  at::parallel_for(0, total, 1, [&](int64_t t0, int64_t t1) {
+  auto run_range = [&](int64_t t0, int64_t t1) {
     for (size_t i = 0; i < n; ++i) {
       const Job& j = jobs[i];
       const int64_t a = std::max(t0, j.first), b = std::min(t1, j.first + j.ntiles);
       if (a >= b) continue;
       run_tiles(j, M, a - j.first, b - j.first);
     }
+  };
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  if (threads <= 1 || total < 2 * threads) {
+    at::parallel_for(0, total, 1, run_range);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, total / (threads * CHUNKS_PER_THREAD));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
+      run_range(t0, std::min(total, t0 + chunk));
   });
 }
 
