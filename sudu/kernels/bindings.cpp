@@ -5,15 +5,19 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias, W as packed tiles");
+  m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias, W as packed tiles",
+        py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [16 * tiles, K], tiles [t0, t1)",
+        py::call_guard<py::gil_scoped_release>(),
         py::arg("q"), py::arg("bf16") = false, py::arg("t0") = 0, py::arg("t1") = -1);
   m.def("embedding_rows", &embedding_rows, "rows ids of the weights (K columns) as float32 [n, K]");
   m.def("tile_bytes", &tile_bytes, "bytes of one tile (16 rows) of K columns in a weight format");
-  m.def("repack_gguf", &repack_gguf, "a GGUF tensor's blocks [rows, bytes] -> its tiles in a GGUF tile format");
+  m.def("repack_gguf", &repack_gguf, "a GGUF tensor's blocks [rows, bytes] -> its tiles in a GGUF tile format",
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa, "the dot-product instruction set qlinear uses");
   m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
-  m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out");
+  m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows: x * rsqrt(mean(x^2) + eps) * w");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up");
@@ -28,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("sigmoid", &MoeParams::sigmoid)
       .def_readwrite("shared", &MoeParams::shared);
   m.def("moe_route", &moe_route, "each row's experts (ascending) and weights under a router weight (moe.cpp)");
-  m.def("llama_decode", &llama_decode, "a llama-family decode step's decoder stack in one call (decoder.cpp)");
-  m.def("gemma_decode", &gemma_decode, "a Gemma 3 decode step's decoder stack in one call (decoder.cpp)");
+  m.def("llama_decode", &llama_decode, "a llama-family decode step's decoder stack in one call (decoder.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemma_decode", &gemma_decode, "a Gemma 3 decode step's decoder stack in one call (decoder.cpp)",
+        py::call_guard<py::gil_scoped_release>());
 }
