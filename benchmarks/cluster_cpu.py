@@ -3,6 +3,8 @@ for a few greedy streams of fixed length the client reports tokens per second af
 CPU each process took (percent of one core), plus, for a Ray replica, each of its threads. An engine
 whose compute threads sit well under 100% of a core while they decode is waiting, not computing: that
 is how the replica's second OpenMP team and its nice-15 threads showed up (docs/cluster.md).
+Then per stream: wakeups per second over all threads, and how often the two busiest (the engine's) were
+preempted.
 
     flock /tmp/sudu-bench.lock python -m benchmarks.cluster_cpu [--serve-args "--replicas 1"] [--streams 4]
 """
@@ -33,6 +35,19 @@ def cpu_seconds() -> dict[int, tuple[float, str]]:
     return out
 
 
+def all_thread_seconds() -> dict[tuple[int, int], float]:
+    """(pid, tid) -> CPU seconds of every thread (the engine's compute threads are the two busiest while it
+    decodes)."""
+    out = {}
+    for p in psutil.process_iter(["pid"]):
+        try:
+            for t in p.threads():
+                out[(p.pid, t.id)] = t.user_time + t.system_time
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
 def replica_thread_seconds() -> dict[int, tuple[float, str]]:
     out = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -48,6 +63,38 @@ def replica_thread_seconds() -> dict[int, tuple[float, str]]:
         except (psutil.Error, OSError):
             pass
     return out
+
+
+def context_switches() -> dict[tuple[int, int], tuple[int, int, str]]:
+    """(pid, tid) -> (voluntary, involuntary) context switches so far, and a name. Every wakeup of a thread
+    on a machine whose cores the engine keeps busy lands on a core one of its threads was running on: a
+    thread's voluntary switches count how often it went to sleep (and so woke), the engine threads'
+    involuntary ones how often they were preempted."""
+    out = {}
+    for pid in psutil.pids():
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:60] or str(pid)
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/task/{tid}/status") if ":" in line)
+                comm = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+            except OSError:
+                continue
+            out[(pid, int(tid))] = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]),
+                                    f"{cmd} [{comm}]")
+    return out
+
+
+def report_switches(before: dict, after: dict, busy_before: dict, busy_after: dict, wall: float) -> None:
+    """Wakeups per second over every thread, and the preemptions of the two busiest threads (the engine's)."""
+    wakeups = sum(v - before[k][0] for k, (v, _, _) in after.items() if k in before)
+    busy = sorted(((c - busy_before.get(k, 0.0), k) for k, c in busy_after.items()), reverse=True)[:2]
+    engine = [(after[k][1] - before[k][1]) / wall for _, k in busy if k in before and k in after]
+    print(f"  wakeups (voluntary switches, all threads): {wakeups / wall:.0f}/s; the two busiest threads "
+          f"preempted {', '.join(f'{x:.0f}' for x in engine)}/s")
 
 
 def report(before: dict, after: dict, wall: float, label: str, top: int) -> None:
@@ -100,7 +147,8 @@ def main() -> None:
         stream(url, model, "warm up", 8)
         print(f"sudu serve {extra}")
         for i in range(args.streams):
-            procs, threads, t0 = cpu_seconds(), replica_thread_seconds(), time.perf_counter()
+            procs, threads, switches = cpu_seconds(), replica_thread_seconds(), context_switches()
+            busy, t0 = all_thread_seconds(), time.perf_counter()
             tokens, decode_s = stream(url, model, f"{i}: write a long story about a lighthouse keeper", args.tokens)
             wall = time.perf_counter() - t0
             if tokens < 2 or decode_s <= 0:
@@ -109,6 +157,7 @@ def main() -> None:
             report(procs, cpu_seconds(), wall, "processes", args.top)
             if threads:
                 report(threads, replica_thread_seconds(), wall, "the replica's threads", args.top)
+            report_switches(switches, context_switches(), busy, all_thread_seconds(), wall)
     finally:
         stop_server(proc)
 
