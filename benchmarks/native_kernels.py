@@ -1,0 +1,57 @@
+"""The native GGUF kernels on a model's own tensors: `qlinear` on layer 0's gate, down and q projections
+(the file's blocks, as `--quantization native` runs them) at each activation row count, median ms per call
+and GFLOP/s. Row counts of 1-8 are decode and speculation, 64-512 a prompt's chunks.
+
+    python -m benchmarks.native_kernels [--model qwen2.5-coder-1.5b-instruct] [--rows 1,4,64,256,512]
+
+To compare two builds side by side, run it alternately from a worktree of each, each with its own
+SUDU_HOME (the kernels' build cache) sharing the models:
+    git worktree add /tmp/base <commit>; mkdir -p /tmp/home-base; ln -s ~/.cache/sudu/models /tmp/home-base/
+    (cd /tmp/base && SUDU_HOME=/tmp/home-base PYTHONPATH=/tmp/base python -m benchmarks.native_kernels)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from sudu.layers import gguf_native
+from sudu.weights.loader import load_checkpoint
+
+TENSORS = ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight",
+           "model.layers.0.self_attn.q_proj.weight")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--rows", default="1,4,64,256,512")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    ckpt = load_checkpoint(args.model, progress=False)
+    print(f"{args.model}, {args.threads} threads: median ms per call (GFLOP/s)")
+    for name in TENSORS:
+        qt = ckpt.quantized(name)
+        if qt is None or qt.ggml_type not in gguf_native.NATIVE_TYPES:
+            print(f"{name}: not a native tensor in this file")
+            continue
+        layer = gguf_native.native_layer(qt, None)
+        n, k = qt.shape
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k)
+            layer(x)
+            times = []
+            for _ in range(50 if m <= 8 else 7):
+                t = time.perf_counter()
+                layer(x)
+                times.append(time.perf_counter() - t)
+            ms = statistics.median(times) * 1e3
+            print(f"  {name.split('.')[-2]:10} {qt.ggml_type:5} {n}x{k} rows {m:4}: {ms:8.3f} ms "
+                  f"({2 * m * n * k / ms / 1e6:6.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
