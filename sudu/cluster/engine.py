@@ -11,7 +11,6 @@ replica, the others are not touched. `stats()` sums the replicas' last reports f
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from types import SimpleNamespace
 from typing import AsyncIterator
@@ -133,8 +132,7 @@ class ClusterEngine:
                 if route is None:
                     route = self._take_route(request_id)
                 # the replica sends its outputs without the prompt (replica.py)
-                out = dataclasses.replace(out, prompt_token_ids=request.prompt_token_ids,
-                                          route={**(out.route or {}), **route} if route else out.route)
+                out = out.routed(route, prompt_token_ids=request.prompt_token_ids)
                 finished = out.finished
                 yield out
         except BackPressureError:

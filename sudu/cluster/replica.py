@@ -64,7 +64,7 @@ class EngineReplica:
             route = handoff_route(handoff, imported, time.perf_counter() - t0, received)
         async for out in self.engine.generate(request_id, request, priority):
             # the prompt goes back to the ingress with every output otherwise; the ingress has it (engine.py)
-            yield dataclasses.replace(out, prompt_token_ids=[], route={**(out.route or {}), **route} if route else out.route)
+            yield out.routed(route, prompt_token_ids=[])
 
     def check_handoff(self) -> None:
         check_handoff_supported(self.engine.engine)

@@ -2,7 +2,7 @@
 tokens/text of each of its n choices (deltas), finish reasons, cache accounting and timings."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -79,3 +79,9 @@ class RequestOutput:
     # set by a cluster ingress (sudu/cluster/) on a request's first output: the replica that serves it and
     # the router's predicted prefix hit; the server adds it to the `sudu` extension
     route: dict | None = None
+
+    def routed(self, route: dict | None, **changes) -> RequestOutput:
+        """This output with route's entries added to its own route, and any other fields replaced."""
+        if route:
+            changes["route"] = {**(self.route or {}), **route}
+        return replace(self, **changes)
