@@ -35,19 +35,6 @@ def cpu_seconds() -> dict[int, tuple[float, str]]:
     return out
 
 
-def all_thread_seconds() -> dict[tuple[int, int], float]:
-    """(pid, tid) -> CPU seconds of every thread (the engine's compute threads are the two busiest while it
-    decodes)."""
-    out = {}
-    for p in psutil.process_iter(["pid"]):
-        try:
-            for t in p.threads():
-                out[(p.pid, t.id)] = t.user_time + t.system_time
-        except (psutil.Error, OSError):
-            pass
-    return out
-
-
 def replica_thread_seconds() -> dict[int, tuple[float, str]]:
     out = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -65,36 +52,38 @@ def replica_thread_seconds() -> dict[int, tuple[float, str]]:
     return out
 
 
-def context_switches() -> dict[tuple[int, int], tuple[int, int, str]]:
-    """(pid, tid) -> (voluntary, involuntary) context switches so far, and a name. Every wakeup of a thread
-    on a machine whose cores the engine keeps busy lands on a core one of its threads was running on: a
-    thread's voluntary switches count how often it went to sleep (and so woke), the engine threads'
+def thread_counters() -> dict[tuple[int, int], tuple[int, int, float]]:
+    """(pid, tid) -> (voluntary, involuntary) context switches and CPU seconds so far, of every thread. On a
+    machine whose cores the engine keeps busy, every wakeup lands on a core one of its threads was running
+    on: a thread's voluntary switches count how often it went to sleep (and so woke), the engine threads'
     involuntary ones how often they were preempted."""
+    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for pid in psutil.pids():
         try:
-            cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:60] or str(pid)
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
         for tid in tids:
             try:
                 fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/task/{tid}/status") if ":" in line)
-                comm = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+                stat = open(f"/proc/{pid}/task/{tid}/stat").read()
             except OSError:
                 continue
+            utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]  # fields 14 and 15 of proc(5)
             out[(pid, int(tid))] = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]),
-                                    f"{cmd} [{comm}]")
+                                    (int(utime) + int(stime)) / tick)
     return out
 
 
-def report_switches(before: dict, after: dict, busy_before: dict, busy_after: dict, wall: float) -> None:
+def report_switches(before: dict, after: dict, wall: float) -> None:
     """Wakeups per second over every thread, and the preemptions of the two busiest threads (the engine's)."""
-    wakeups = sum(v - before[k][0] for k, (v, _, _) in after.items() if k in before)
-    busy = sorted(((c - busy_before.get(k, 0.0), k) for k, c in busy_after.items()), reverse=True)[:2]
-    engine = [(after[k][1] - before[k][1]) / wall for _, k in busy if k in before and k in after]
+    common = [k for k in after if k in before]
+    wakeups = sum(after[k][0] - before[k][0] for k in common)
+    busiest = sorted(common, key=lambda k: after[k][2] - before[k][2], reverse=True)[:2]
+    preempted = ", ".join(f"{(after[k][1] - before[k][1]) / wall:.0f}" for k in busiest)
     print(f"  wakeups (voluntary switches, all threads): {wakeups / wall:.0f}/s; the two busiest threads "
-          f"preempted {', '.join(f'{x:.0f}' for x in engine)}/s")
+          f"preempted {preempted}/s")
 
 
 def report(before: dict, after: dict, wall: float, label: str, top: int) -> None:
@@ -147,8 +136,8 @@ def main() -> None:
         stream(url, model, "warm up", 8)
         print(f"sudu serve {extra}")
         for i in range(args.streams):
-            procs, threads, switches = cpu_seconds(), replica_thread_seconds(), context_switches()
-            busy, t0 = all_thread_seconds(), time.perf_counter()
+            procs, threads, counters = cpu_seconds(), replica_thread_seconds(), thread_counters()
+            t0 = time.perf_counter()
             tokens, decode_s = stream(url, model, f"{i}: write a long story about a lighthouse keeper", args.tokens)
             wall = time.perf_counter() - t0
             if tokens < 2 or decode_s <= 0:
@@ -157,7 +146,7 @@ def main() -> None:
             report(procs, cpu_seconds(), wall, "processes", args.top)
             if threads:
                 report(threads, replica_thread_seconds(), wall, "the replica's threads", args.top)
-            report_switches(switches, context_switches(), busy, all_thread_seconds(), wall)
+            report_switches(counters, thread_counters(), wall)
     finally:
         stop_server(proc)
 
