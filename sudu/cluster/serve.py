@@ -36,7 +36,7 @@ HEALTH_TIMEOUT_S = 5.0
 # Every wakeup of another process on a core the engine computes on preempts one of its threads. Serve's
 # replicas and handles export their cached metrics every 100 ms by default and its controller runs its
 # loop every 100 ms: once a second and every 0.5 s are enough for metrics and for reacting to a dead
-# replica, and take about a third of an idle instance's wakeups away (docs/cluster.md).
+# replica, and wake the machine less often (measured in docs/cluster.md).
 RAY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30),
            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_worker_niceness": "0",
            "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
