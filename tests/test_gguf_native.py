@@ -41,9 +41,10 @@ def reference_weight(qt: QuantizedTensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(qt.shape))
 
 
-def rounded_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels quantize it: int8 per 32 columns, scale amax / 127, x * (1 / d) rounded to even."""
-    g = x.reshape(x.shape[0], -1, 32)
+def rounded_activations(x: torch.Tensor, ggml_type: str = "Q8_0") -> torch.Tensor:
+    """x as the kernels quantize it for a format: int8 per 32 columns (q8_0), or per 256 for the K-quants
+    (q8_K), scale amax / 127, x * (1 / d) rounded to even."""
+    g = x.reshape(x.shape[0], -1, 256 if ggml_type.endswith("_K") else 32)
     d = g.abs().amax(dim=-1, keepdim=True) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(g * inv) * d).reshape(x.shape)
@@ -71,7 +72,7 @@ def test_each_format_matches_the_reference(ggml_type):
     assert layer.weight_bytes() <= qt.blocks.nbytes * 148 / 144 + 2 * 16 * k  # the file's bytes, and padding
     torch.manual_seed(1)
     x = torch.randn(64, k)
-    want = rounded_activations(x).double() @ ref.double().T + bias.double()
+    want = rounded_activations(x, ggml_type).double() @ ref.double().T + bias.double()
     outputs = {}
     for isa in isas():
         ext.set_isa(isa)

@@ -25,12 +25,15 @@
 // Q4_K and Q5_K keep their scales unpacked: 4 bytes per row and super-block more than the file's 12 packed
 // bytes (148 against 144, 180 against 176); the others are exactly the file's bytes per weight.
 //
-// Dot products: the activations are int8 with one scale per 32 columns (quant_linear.cpp's; finer than
-// llama.cpp's per-256 q8_K for the K-quants). Each (block, activation block) pair is an integer dot
-// product of the unsigned codes (vpdpbusd, or AVX2 maddubs + madd: the same integers), its offset
-// removed in integers (q - 16: 16 * sum(x codes); Q6_K per 16 columns), the K-quants' sub-block scales
-// applied in integers (Q6_K: both 16-column sub-blocks summed before any float work), then one float
-// multiply-add per block and 16 rows with d * sx (K-quants: another with dmin * m * xsum for the mins).
+// Dot products: the activations are int8, Q5_0's with one scale per 32 columns (q8_0), the K-quants' with one
+// per 256 (q8_K, as llama.cpp's), so a super-block sums in integers before any float work. Each (block,
+// activation block) pair is an integer dot product of the unsigned codes (vpdpbusd, or AVX2 maddubs + madd:
+// the same integers). Q5_0: its offset removed in integers (q - 16: 16 * sum(x codes)), then one float
+// multiply-add per block and 16 rows with d * sx. K-quants: the sub-block scales applied in integers
+// (AVX2: as madd's multipliers) and summed over the super-block's 8 blocks; the offset (Q6_K: 32 * sc *
+// sum(x codes) per 16 columns) or the min term (Q4_K/Q5_K: m * sum(x codes) per block) also in integers, by
+// madd of the scales' int16 pairs with the activations' pair sums; then per super-block and 16 rows one
+// float multiply-add with d * sx (and one with dmin * sx for the mins).
 // As for int8/int4, a row's result is the same at any row count and on either instruction set.
 #include "quant_tiles.h"
 
@@ -64,11 +67,14 @@ inline void prefetch_ahead(const uint8_t* at, int64_t n) {
   for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o + PREFETCH_BYTES), _MM_HINT_T0);
 }
 
+// Four activation codes of row i from column col (q8_0 or q8_K: Acts).
+inline int codes4(const int8_t* q, int64_t K, int i, int64_t col) { return *reinterpret_cast<const int*>(q + i * K + col); }
+
 // Chunk c (columns 8c..8c+7) of block b of a tile: the codes (low nibbles and high bits) of its 16 rows
-// against R activation rows, into S (Q6_K: columns 16..31 into S2).
+// against R activation rows (codes xq), into S (Q6_K: columns 16..31 into S2).
 template <int64_t F, int R, int c>
-SUDU_VNNI inline void vnni_chunk(const uint8_t* bp, __m512i W0, __m512i W1, const Acts& a, int64_t b, __m512i* S,
-                                 __m512i* S2) {
+SUDU_VNNI inline void vnni_chunk(const uint8_t* bp, __m512i W0, __m512i W1, const int8_t* xq, int64_t K, int64_t b,
+                                 __m512i* S, __m512i* S2) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   const __m512i raw = _mm512_loadu_si512(bp + 64 * c);
   __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
@@ -83,16 +89,31 @@ SUDU_VNNI inline void vnni_chunk(const uint8_t* bp, __m512i W0, __m512i W1, cons
   }
   __m512i* T = (F == Q6_K && c >= 2) ? S2 : S;
   for (int i = 0; i < R; ++i) {
-    const __m512i xl = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c)), xh = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c + 4));
+    const __m512i xl = _mm512_set1_epi32(codes4(xq, K, i, 32 * b + 8 * c));
+    const __m512i xh = _mm512_set1_epi32(codes4(xq, K, i, 32 * b + 8 * c + 4));
     T[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(T[i], lo, xl), hi, xh);
   }
+}
+
+// 16 rows' bytes u and v interleaved and widened to int16 pairs (u[r], v[r]) per 32-bit lane: a madd operand.
+SUDU_VNNI inline __m512i pairs512(const uint8_t* u, const uint8_t* v, bool is_signed) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u)), b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  const __m256i ab = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+  return is_signed ? _mm512_cvtepi8_epi16(ab) : _mm512_cvtepu8_epi16(ab);
+}
+// The same for the 8 rows of half h (AVX2).
+inline __m256i pairs256(const uint8_t* u, const uint8_t* v, int h, bool is_signed) {
+  const __m128i ab = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 8 * h)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + 8 * h)));
+  return is_signed ? _mm256_cvtepi8_epi16(ab) : _mm256_cvtepu8_epi16(ab);
 }
 
 template <int64_t F, int R>
 SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
   constexpr int G = blocks_per_group(F), HB = high_bits(F);
   constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
-  const int64_t nb = a.nb, ng = nb / G;
+  const int64_t nb = a.nb, ng = nb / G, K = a.K;
+  const int8_t* xq = F == Q5_0 ? a.xq : a.kq;
   if (count > 1) prefetch_start(p);
   for (int64_t t = 0; t < count; ++t) {
     const uint8_t* tp = p + t * ng * GB;
@@ -103,8 +124,8 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
       const uint8_t* tail = gp + G * BB;
       prefetch_ahead(tail, tail_bytes(F));
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + tail_bytes(F) - (F == Q4_K || F == Q5_K ? 64 : 32))));
-      __m512 dminv = _mm512_setzero_ps();
-      if constexpr (F == Q4_K || F == Q5_K) dminv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 288)));
+      __m512i iS[R];
+      for (int i = 0; i < R; ++i) iS[i] = _mm512_setzero_si512();
       for (int j = 0; j < G; ++j) {
         const int64_t b = g * G + j;
         const uint8_t* bp = gp + j * BB;
@@ -114,10 +135,10 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
         __m512i W0 = _mm512_setzero_si512(), W1 = _mm512_setzero_si512();
         if constexpr (HB >= 1) W0 = _mm512_loadu_si512(bp + 256);
         if constexpr (HB == 2) W1 = _mm512_loadu_si512(bp + 320);
-        vnni_chunk<F, R, 0>(bp, W0, W1, a, b, S, S2);
-        vnni_chunk<F, R, 1>(bp, W0, W1, a, b, S, S2);
-        vnni_chunk<F, R, 2>(bp, W0, W1, a, b, S, S2);
-        vnni_chunk<F, R, 3>(bp, W0, W1, a, b, S, S2);
+        vnni_chunk<F, R, 0>(bp, W0, W1, xq, K, b, S, S2);
+        vnni_chunk<F, R, 1>(bp, W0, W1, xq, K, b, S, S2);
+        vnni_chunk<F, R, 2>(bp, W0, W1, xq, K, b, S, S2);
+        vnni_chunk<F, R, 3>(bp, W0, W1, xq, K, b, S, S2);
         if constexpr (F == Q5_0) {
           for (int i = 0; i < R; ++i) {
             const __m512i s = _mm512_sub_epi32(S[i], _mm512_set1_epi32(16 * a.isum[i * nb + b]));
@@ -126,21 +147,32 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
         } else if constexpr (F == Q6_K) {
           const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j)));
           const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j + 16)));
-          for (int i = 0; i < R; ++i) {
-            const int32_t* i16 = a.isum16 + i * 2 * nb + 2 * b;
-            const __m512i ta = _mm512_mullo_epi32(_mm512_sub_epi32(S[i], _mm512_set1_epi32(32 * i16[0])), sa);
-            const __m512i tb = _mm512_mullo_epi32(_mm512_sub_epi32(S2[i], _mm512_set1_epi32(32 * i16[1])), sb);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ta, tb)),
-                                     _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[i * nb + b])), acc[i]);
-          }
+          for (int i = 0; i < R; ++i)
+            iS[i] = _mm512_add_epi32(iS[i], _mm512_add_epi32(_mm512_mullo_epi32(S[i], sa), _mm512_mullo_epi32(S2[i], sb)));
         } else {
           const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16 * j)));
-          const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 128 + 16 * j))));
-          for (int i = 0; i < R; ++i) {
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(S[i], sc)),
-                                     _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[i * nb + b])), acc[i]);
-            acc[i] = _mm512_fnmadd_ps(mn, _mm512_mul_ps(dminv, _mm512_set1_ps(a.xsum[i * nb + b])), acc[i]);
-          }
+          for (int i = 0; i < R; ++i) iS[i] = _mm512_add_epi32(iS[i], _mm512_mullo_epi32(S[i], sc));
+        }
+      }
+      if constexpr (F == Q6_K) {
+        for (int i = 0; i < R; ++i) {
+          __m512i off = _mm512_setzero_si512();
+          for (int j = 0; j < G; ++j)
+            off = _mm512_add_epi32(off, _mm512_madd_epi16(pairs512(tail + 32 * j, tail + 32 * j + 16, true),
+                                                          _mm512_set1_epi32(a.k16pair[i * nb + g * G + j])));
+          const __m512 kd = _mm512_mul_ps(dv, _mm512_set1_ps(a.ksx[i * (nb / 8) + g]));
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iS[i], _mm512_slli_epi32(off, 5))), kd, acc[i]);
+        }
+      } else if constexpr (F == Q4_K || F == Q5_K) {
+        const __m512 dminv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 288)));
+        for (int i = 0; i < R; ++i) {
+          __m512i mins = _mm512_setzero_si512();
+          for (int j = 0; j < G; j += 2)
+            mins = _mm512_add_epi32(mins, _mm512_madd_epi16(pairs512(tail + 128 + 16 * j, tail + 144 + 16 * j, false),
+                                                            _mm512_set1_epi32(a.kpair[i * (nb / 2) + (g * G + j) / 2])));
+          const __m512 kx = _mm512_set1_ps(a.ksx[i * (nb / 8) + g]);
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iS[i]), _mm512_mul_ps(dv, kx), acc[i]);
+          acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dminv, kx), acc[i]);
         }
       }
     }
@@ -179,12 +211,13 @@ template <int64_t F, int R>
 void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
   constexpr int G = blocks_per_group(F);
   constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
-  const int64_t nb = a.nb, ng = nb / G;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nb = a.nb, ng = nb / G, K = a.K;
+  const int8_t* xq = F == Q5_0 ? a.xq : a.kq;
   // maddubs' int16 pairs of codes times activations (|x| <= 127), summed in int16 over as many chunks as
   // cannot overflow (a chunk: 2 pairs per lane, at most 2 * 2 * 127 * max code), before one madd widens
-  // them: 4-bit codes over a whole block, 5-bit over 2 chunks, Q6_K's 6-bit over each chunk. Exact integers,
-  // the sums the VNNI path accumulates in int32.
+  // them (K-quants: with the block's or 16-column sub-block's scale as the multiplier): 4-bit codes over a
+  // whole block, 5-bit over 2 chunks, Q6_K's 6-bit over each chunk. Exact integers, the sums the VNNI
+  // path computes in int32.
   constexpr int PAIRS16 = F == Q4_K ? 4 : F == Q6_K ? 1 : 2;
   static_assert(PAIRS16 * 4 * 127 * ((1 << (4 + high_bits(F))) - 1) <= 32767, "int16 sums overflow");
   auto dot2 = [&](__m256i q, int x4) { return _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)); };
@@ -199,29 +232,36 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
         prefetch_ahead(tail, tail_bytes(F));
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
             tail + tail_bytes(F) - (F == Q4_K || F == Q5_K ? 64 : 32) + 16 * h)));
-        __m256 dminv = _mm256_setzero_ps();
-        if constexpr (F == Q4_K || F == Q5_K) dminv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 288 + 16 * h)));
+        __m256i iS[R];  // Q5_0: the block's sum; K-quants: the super-block's scaled sums
+        for (int i = 0; i < R; ++i) iS[i] = _mm256_setzero_si256();
         for (int j = 0; j < G; ++j) {
           const int64_t b = g * G + j;
           const uint8_t* bp = gp + j * BB;
           prefetch_ahead(bp, BB);
-          __m256i S[R], S2[R];
-          for (int i = 0; i < R; ++i) S[i] = S2[i] = _mm256_setzero_si256();
           __m256i W0, W1;
           high_words256<F>(bp, h, W0, W1);
+          // madd's multipliers per chunk: ones (Q5_0), the block's scale (Q4_K, Q5_K) or the 16-column
+          // sub-block's (Q6_K), as an int16 pair per lane
+          __m256i m0, m1;
+          if constexpr (F == Q5_0) {
+            m0 = m1 = _mm256_set1_epi16(1);
+          } else if constexpr (F == Q6_K) {
+            m0 = pairs256(tail + 32 * j, tail + 32 * j, h, true);
+            m1 = pairs256(tail + 32 * j + 16, tail + 32 * j + 16, h, true);
+          } else {
+            m0 = m1 = pairs256(tail + 16 * j, tail + 16 * j, h, false);
+          }
           __m256i P[R];
           auto chunk = [&](auto cc) {
             constexpr int c = decltype(cc)::value;
             __m256i lo, hi;
             codes256<F, c>(bp, h, W0, W1, lo, hi);
             for (int i = 0; i < R; ++i) {
-              const __m256i m = _mm256_add_epi16(dot2(lo, a.x4(i, 32 * b + 8 * c)), dot2(hi, a.x4(i, 32 * b + 8 * c + 4)));
+              const __m256i m = _mm256_add_epi16(dot2(lo, codes4(xq, K, i, 32 * b + 8 * c)), dot2(hi, codes4(xq, K, i, 32 * b + 8 * c + 4)));
               P[i] = c % PAIRS16 == 0 ? m : _mm256_add_epi16(P[i], m);
             }
-            if constexpr ((c + 1) % PAIRS16 == 0) {
-              __m256i* T = (F == Q6_K && c >= 2) ? S2 : S;
-              for (int i = 0; i < R; ++i) T[i] = _mm256_add_epi32(T[i], _mm256_madd_epi16(P[i], ones));
-            }
+            if constexpr ((c + 1) % PAIRS16 == 0)
+              for (int i = 0; i < R; ++i) iS[i] = _mm256_add_epi32(iS[i], _mm256_madd_epi16(P[i], c < 2 ? m0 : m1));
           };
           chunk(std::integral_constant<int, 0>{});
           chunk(std::integral_constant<int, 1>{});
@@ -229,27 +269,31 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
           chunk(std::integral_constant<int, 3>{});
           if constexpr (F == Q5_0) {
             for (int i = 0; i < R; ++i) {
-              const __m256i s = _mm256_sub_epi32(S[i], _mm256_set1_epi32(16 * a.isum[i * nb + b]));
+              const __m256i s = _mm256_sub_epi32(iS[i], _mm256_set1_epi32(16 * a.isum[i * nb + b]));
               acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(a.sx[i * nb + b])), acc[i]);
+              iS[i] = _mm256_setzero_si256();
             }
-          } else if constexpr (F == Q6_K) {
-            const __m256i sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tail + 32 * j + 8 * h)));
-            const __m256i sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tail + 32 * j + 16 + 8 * h)));
-            for (int i = 0; i < R; ++i) {
-              const int32_t* i16 = a.isum16 + i * 2 * nb + 2 * b;
-              const __m256i ta = _mm256_mullo_epi32(_mm256_sub_epi32(S[i], _mm256_set1_epi32(32 * i16[0])), sa);
-              const __m256i tb = _mm256_mullo_epi32(_mm256_sub_epi32(S2[i], _mm256_set1_epi32(32 * i16[1])), sb);
-              acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ta, tb)),
-                                       _mm256_mul_ps(dv, _mm256_set1_ps(a.sx[i * nb + b])), acc[i]);
-            }
-          } else {
-            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tail + 16 * j + 8 * h)));
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tail + 128 + 16 * j + 8 * h))));
-            for (int i = 0; i < R; ++i) {
-              acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(S[i], sc)),
-                                       _mm256_mul_ps(dv, _mm256_set1_ps(a.sx[i * nb + b])), acc[i]);
-              acc[i] = _mm256_fnmadd_ps(mn, _mm256_mul_ps(dminv, _mm256_set1_ps(a.xsum[i * nb + b])), acc[i]);
-            }
+          }
+        }
+        if constexpr (F == Q6_K) {
+          for (int i = 0; i < R; ++i) {
+            __m256i off = _mm256_setzero_si256();
+            for (int j = 0; j < G; ++j)
+              off = _mm256_add_epi32(off, _mm256_madd_epi16(pairs256(tail + 32 * j, tail + 32 * j + 16, h, true),
+                                                            _mm256_set1_epi32(a.k16pair[i * nb + g * G + j])));
+            const __m256 kd = _mm256_mul_ps(dv, _mm256_set1_ps(a.ksx[i * (nb / 8) + g]));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(iS[i], _mm256_slli_epi32(off, 5))), kd, acc[i]);
+          }
+        } else if constexpr (F == Q4_K || F == Q5_K) {
+          const __m256 dminv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 288 + 16 * h)));
+          for (int i = 0; i < R; ++i) {
+            __m256i mins = _mm256_setzero_si256();
+            for (int j = 0; j < G; j += 2)
+              mins = _mm256_add_epi32(mins, _mm256_madd_epi16(pairs256(tail + 128 + 16 * j, tail + 144 + 16 * j, h, false),
+                                                              _mm256_set1_epi32(a.kpair[i * (nb / 2) + (g * G + j) / 2])));
+            const __m256 kx = _mm256_set1_ps(a.ksx[i * (nb / 8) + g]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iS[i]), _mm256_mul_ps(dv, kx), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dminv, kx), acc[i]);
           }
         }
       }

@@ -39,46 +39,94 @@ namespace {
 
 using namespace qtiles;
 
-// x[0:K] -> int8 codes xq and per-32 scales sx (x ~= sx * xq); isum[b] = sum(xq in block b), xsum[b] = sx[b] * isum[b],
-// isum16[h] = sum(xq in columns 16h..16h+15).
-// Round to nearest even (the default MXCSR mode), x * (1 / d) as PyTorch would compute it in float32.
-inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* sx, float* xsum, int32_t* isum, int32_t* isum16) {
+// The scale of one block of activations (amax / 127) and codes x * (1 / d) rounded to nearest even (the
+// default MXCSR mode), as PyTorch would compute them in float32: n floats (a multiple of 32) into xq.
+// Returns d; sum16 gets the sum of each 16 codes.
+inline float quantize_block(const float* x, int n, int8_t* xq, int32_t* sum16) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[j]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < n; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, _mm256_loadu_ps(x + j)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  auto hsum = [](__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+  };
+  for (int b = 0; b < n; b += 32) {
     __m256i qi[4];
-    __m256i total = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id)));
-      total = _mm256_add_epi32(total, qi[j]);
-    }
+    for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + b + 8 * j), _mm256_set1_ps(id)));
     // packs work per 128-bit lane; the permutation restores element order
     __m256i p = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * b), p);
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    sx[b] = d;
-    isum[b] = _mm_cvtsi128_si32(t);
-    xsum[b] = d * static_cast<float>(isum[b]);
-    for (int h = 0; h < 2; ++h) {
-      int32_t sum = 0;
-      for (int k = 0; k < 16; ++k) sum += xq[32 * b + 16 * h + k];
-      isum16[2 * b + h] = sum;
-    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b), p);
+    sum16[b / 16] = hsum(_mm256_add_epi32(qi[0], qi[1]));
+    sum16[b / 16 + 1] = hsum(_mm256_add_epi32(qi[2], qi[3]));
   }
+  return d;
 }
+
+// Two int16 values as one int32 (low, high): a madd operand.
+inline int32_t int16_pair(int32_t lo, int32_t hi) {
+  return static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xFFFF));
+}
+
+// The activation rows of one call, quantized once (Acts): q8_0 and q8_K, each only when a range reads it.
+struct ActRows {
+  int64_t K = 0, nb = 0;
+  std::vector<int8_t> xq, kq;
+  std::vector<float> sx, xsum, ksx;
+  std::vector<int32_t> isum, kpair, k16pair;
+
+  // Rows in parallel (a prompt chunk's hundreds of rows), each row's values independent of the others.
+  void quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K) {
+    K = K_;
+    nb = K / 32;
+    if (q8_0) {
+      xq.resize(M * K);
+      sx.resize(M * nb);
+      xsum.resize(M * nb);
+      isum.resize(M * nb);
+    }
+    if (q8_K) {  // K a multiple of 256
+      kq.resize(M * K);
+      ksx.resize(M * nb / 8);
+      kpair.resize(M * nb / 2);
+      k16pair.resize(M * nb);
+    }
+    auto rows = [&](int64_t m0, int64_t m1) {
+      std::vector<int32_t> s16(2 * nb);
+      for (int64_t m = m0; m < m1; ++m) {
+        if (q8_0)
+          for (int64_t b = 0; b < nb; ++b) {
+            const int64_t o = m * nb + b;
+            sx[o] = quantize_block(x + m * K + 32 * b, 32, xq.data() + m * K + 32 * b, s16.data());
+            isum[o] = s16[0] + s16[1];
+            xsum[o] = sx[o] * static_cast<float>(isum[o]);
+          }
+        if (q8_K) {
+          for (int64_t g = 0; g < nb / 8; ++g)
+            ksx[m * nb / 8 + g] = quantize_block(x + m * K + 256 * g, 256, kq.data() + m * K + 256 * g, s16.data() + 16 * g);
+          for (int64_t b = 0; b < nb; ++b) k16pair[m * nb + b] = int16_pair(s16[2 * b], s16[2 * b + 1]);
+          for (int64_t b = 0; b < nb; b += 2)
+            kpair[m * nb / 2 + b / 2] = int16_pair(s16[2 * b] + s16[2 * b + 1], s16[2 * b + 2] + s16[2 * b + 3]);
+        }
+      }
+    };
+    if (M >= 16 && !at::in_parallel_region()) at::parallel_for(0, M, 8, rows);
+    else rows(0, M);
+  }
+  Acts at(int64_t m) const {
+    auto row = [](const auto& v, int64_t off) { return v.empty() ? nullptr : v.data() + off; };
+    return Acts{row(xq, m * K), row(sx, m * nb), row(xsum, m * nb), row(isum, m * nb),
+                row(kq, m * K), row(ksx, m * nb / 8), row(kpair, m * nb / 2), row(k16pair, m * nb), K, nb};
+  }
+};
 
 // ---- Tiles of 16 weight rows, one row per 32-bit lane ----
 // Both formats are stored as the kernels read them (layers/linear.py pack builds the tiles from the row
@@ -330,24 +378,21 @@ struct Job {
   const uint8_t* p;
   const float* bias;
   float* y;  // [M, ldy], this range's first column
-  const int8_t* xq;
-  const float *sx, *xsum;
-  const int32_t *isum, *isum16;
-  std::vector<int8_t> xq_buf;
-  std::vector<float> sx_buf, xsum_buf, padded;
-  std::vector<int32_t> isum_buf, isum16_buf;
+  const ActRows* x;  // the first job's rows
+  ActRows rows;
+  std::vector<float> padded;
 };
 
 // Tiles [t0, t1) of one job against its M activation rows. Up to MR_VNNI (AVX2: MR) rows, the tiles go
 // through one kernel call; with more, each tile meets every row chunk while it sits in L1/L2.
 void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
-  const int64_t K = j.K, nb = j.nb, ldy = j.ldy;
+  const int64_t ldy = j.ldy;
   const bool vnni = use_vnni;
   auto run = [&](int64_t t, int64_t count) {
     auto chunk = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
       const uint8_t* tp = j.p + t * j.tile_bytes;
-      const Acts a{j.xq + m * K, j.sx + m * nb, j.xsum + m * nb, j.isum + m * nb, j.isum16 + m * 2 * nb, K, nb};
+      const Acts a = j.x->at(m);
       const float* b = j.bias ? j.bias + TILE_ROWS * t : nullptr;
       float* out = j.y + m * ldy + TILE_ROWS * t;
       if (j.fmt == INT4) {
@@ -538,14 +583,9 @@ void set_jobs(Job* jobs, const Weights& w, const float* x, int64_t M, const torc
       bp = j0.padded.data();
     }
   }
-  j0.xq_buf.resize(M * K);
-  j0.sx_buf.resize(M * nb);
-  j0.xsum_buf.resize(M * nb);
-  j0.isum_buf.resize(M * nb);
-  j0.isum16_buf.resize(M * 2 * nb);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x + m * K, K, j0.xq_buf.data() + m * K, j0.sx_buf.data() + m * nb, j0.xsum_buf.data() + m * nb,
-                    j0.isum_buf.data() + m * nb, j0.isum16_buf.data() + m * 2 * nb);
+  bool q8_0 = false, q8_K = false;
+  for (int i = 0; i < w.n; ++i) (is_k_quant(w.r[i].fmt) ? q8_K : q8_0) = true;
+  j0.rows.quantize(x, M, K, q8_0, q8_K);
   int64_t row = 0;
   for (int i = 0; i < w.n; ++i) {
     Job& j = jobs[i];
@@ -559,11 +599,7 @@ void set_jobs(Job* jobs, const Weights& w, const float* x, int64_t M, const torc
     j.p = r.p;
     j.bias = bp ? bp + row : nullptr;
     j.y = y + row;
-    j.xq = j0.xq_buf.data();
-    j.sx = j0.sx_buf.data();
-    j.xsum = j0.xsum_buf.data();
-    j.isum = j0.isum_buf.data();
-    j.isum16 = j0.isum16_buf.data();
+    j.x = &j0.rows;
     row += r.ntiles * TILE_ROWS;
   }
 }

@@ -27,15 +27,23 @@ inline void prefetch_start(const uint8_t* q) {
 #define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 // One call's quantized activations, from the first row a kernel call takes (row stride K codes, nb blocks
-// of 32 columns): x ~= sx * xq per block.
+// of 32 columns), in two forms, each made only when a range of the call reads it:
+//   q8_0 (sudu's int8/int4 tiles, Q5_0): x ~= sx * xq with one scale per 32 columns;
+//   q8_K (the K-quants, as llama.cpp's q8_K): x ~= ksx * kq with one scale per 256 columns, so a super-block's
+//   8 blocks sum in integers before one float multiply-add. The codes' sums come packed as int16 pairs for
+//   madd: kpair per two 32-blocks (the K-quants' min term), k16pair per 32-block's two halves (Q6_K's offset).
 struct Acts {
   const int8_t* xq;
-  const float* sx;        // per block
-  const float* xsum;      // per block: sx * sum(codes)
-  const int32_t* isum;    // per block: sum(codes)
-  const int32_t* isum16;  // per 16 columns: sum(codes) (row stride 2 nb)
+  const float* sx;      // per block
+  const float* xsum;    // per block: sx * sum(codes)
+  const int32_t* isum;  // per block: sum(codes)
+  const int8_t* kq;
+  const float* ksx;         // per 256 columns (row stride nb / 8)
+  const int32_t* kpair;     // per 64 columns: int16 sums of kq's two 32-blocks (row stride nb / 2)
+  const int32_t* k16pair;   // per 32 columns: int16 sums of kq's two 16-column halves (row stride nb)
   int64_t K, nb;
   inline int x4(int i, int64_t col) const { return *reinterpret_cast<const int*>(xq + i * K + col); }
+  inline int k4(int i, int64_t col) const { return *reinterpret_cast<const int*>(kq + i * K + col); }
 };
 
 // Weight formats of a tile range. INT8 and INT4 are sudu's own tiles (quant_linear.cpp); the others hold a
@@ -43,6 +51,8 @@ struct Acts {
 enum Format : int64_t { INT8 = 0, INT4 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
 inline bool is_gguf_format(int64_t f) { return f >= Q5_0 && f <= Q6_K; }
+// The formats of 256-column super-blocks, which read the q8_K activations.
+inline bool is_k_quant(int64_t f) { return f >= Q4_K && f <= Q6_K; }
 // Bytes of one tile (16 rows) of K columns in a GGUF format; K a multiple of its group (32 or 256).
 int64_t gguf_tile_bytes(int64_t fmt, int64_t K);
 // R (1..8) activation rows against `count` consecutive tiles from p, as quant_linear.cpp's dot_tiles:
