@@ -42,12 +42,20 @@ def reference_weight(qt: QuantizedTensor) -> torch.Tensor:
 
 
 def rounded_activations(x: torch.Tensor, ggml_type: str = "Q8_0") -> torch.Tensor:
-    """x as the kernels quantize it for a format: int8 per 32 columns (q8_0), or per 256 for the K-quants
-    (q8_K), scale amax / 127, x * (1 / d) rounded to even."""
-    g = x.reshape(x.shape[0], -1, 256 if ggml_type.endswith("_K") else 32)
-    d = g.abs().amax(dim=-1, keepdim=True) / 127.0
+    """x as the kernels quantize it for a format, x * (1 / s) rounded to even and clamped to +-127, times s:
+    q8_0 (s = amax / 127 per 32 columns), or for the K-quants q8_K (D = amax / 127 per 256 columns, and per
+    32 s = D * f / 8 with f = ceil(8 * the block's amax / amax) in 1..8)."""
+    g = x.reshape(x.shape[0], -1, 32)
+    bmax = g.abs().amax(dim=-1, keepdim=True)
+    if ggml_type.endswith("_K"):
+        amax = x.reshape(x.shape[0], -1, 1, 256).abs().amax(dim=-1, keepdim=True)
+        f = torch.ceil(8.0 * bmax.reshape(amax.shape[0], -1, 8, 1) / amax).clamp(1, 8)
+        f = torch.where(amax != 0, f, torch.full_like(f, 8.0))
+        d = ((amax / 127.0) * (f * 0.125)).reshape(bmax.shape)
+    else:
+        d = bmax / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(g * inv) * d).reshape(x.shape)
+    return (torch.round(g * inv).clamp(-127, 127) * d).reshape(x.shape)
 
 
 def isas() -> list[str]:

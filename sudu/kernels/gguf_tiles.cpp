@@ -26,10 +26,11 @@
 // bytes (148 against 144, 180 against 176); the others are exactly the file's bytes per weight.
 //
 // Dot products: the activations are int8, Q5_0's with one scale per 32 columns (q8_0), the K-quants' with one
-// per 256 (q8_K, as llama.cpp's), so a super-block sums in integers before any float work. Each (block,
-// activation block) pair is an integer dot product of the unsigned codes (vpdpbusd, or AVX2 maddubs + madd:
-// the same integers). Q5_0: its offset removed in integers (q - 16: 16 * sum(x codes)), then one float
-// multiply-add per block and 16 rows with d * sx. K-quants: the sub-block scales applied in integers
+// per 256 times a small integer per 32 (q8_K, quant_linear.cpp: finer than llama.cpp's q8_K, which has one
+// per 256), so a super-block sums in integers before any float work. Each (block, activation block) pair is
+// an integer dot product of the unsigned codes (vpdpbusd, or AVX2 maddubs + madd: the same integers). Q5_0:
+// its offset removed in integers (q - 16: 16 * sum(x codes)), then one float multiply-add per block and 16
+// rows with d * sx. K-quants: the sub-block scales and the activation block's multiple applied in integers
 // (AVX2: as madd's multipliers) and summed over the super-block's 8 blocks; the offset (Q6_K: 32 * sc *
 // sum(x codes) per 16 columns) or the min term (Q4_K/Q5_K: m * sum(x codes) per block) also in integers, by
 // madd of the scales' int16 pairs with the activations' pair sums; then per super-block and 16 rows one
@@ -122,14 +123,14 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* gp = tp + g * GB;
       const uint8_t* tail = gp + G * BB;
-      prefetch_ahead(tail, tail_bytes(F));
+      if (a.stream) prefetch_ahead(tail, tail_bytes(F));
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + tail_bytes(F) - (F == Q4_K || F == Q5_K ? 64 : 32))));
       __m512i iS[R];
       for (int i = 0; i < R; ++i) iS[i] = _mm512_setzero_si512();
       for (int j = 0; j < G; ++j) {
         const int64_t b = g * G + j;
         const uint8_t* bp = gp + j * BB;
-        prefetch_ahead(bp, BB);
+        if (a.stream) prefetch_ahead(bp, BB);
         __m512i S[R], S2[R];
         for (int i = 0; i < R; ++i) S[i] = S2[i] = _mm512_setzero_si512();
         __m512i W0 = _mm512_setzero_si512(), W1 = _mm512_setzero_si512();
@@ -147,11 +148,14 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
         } else if constexpr (F == Q6_K) {
           const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j)));
           const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j + 16)));
-          for (int i = 0; i < R; ++i)
-            iS[i] = _mm512_add_epi32(iS[i], _mm512_add_epi32(_mm512_mullo_epi32(S[i], sa), _mm512_mullo_epi32(S2[i], sb)));
+          for (int i = 0; i < R; ++i) {
+            const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(S[i], sa), _mm512_mullo_epi32(S2[i], sb));
+            iS[i] = _mm512_add_epi32(iS[i], _mm512_mullo_epi32(s, _mm512_set1_epi32(a.kf[i * nb + b])));
+          }
         } else {
           const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16 * j)));
-          for (int i = 0; i < R; ++i) iS[i] = _mm512_add_epi32(iS[i], _mm512_mullo_epi32(S[i], sc));
+          for (int i = 0; i < R; ++i)
+            iS[i] = _mm512_add_epi32(iS[i], _mm512_mullo_epi32(_mm512_mullo_epi32(S[i], sc), _mm512_set1_epi32(a.kf[i * nb + b])));
         }
       }
       if constexpr (F == Q6_K) {
@@ -206,6 +210,11 @@ inline void codes256(const uint8_t* bp, int h, __m256i W0, __m256i W1, __m256i& 
   }
 }
 
+// v as an opaque register value: GCC reassociates integer adds, and left alone it computes a block's 32
+// maddubs products first and sums them in a tree afterwards, spilling half of them to the stack (16 ymm
+// registers). Marking each running sum keeps the adds in the written order.
+inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 // The same on AVX2: each tile as two 8-lane halves, the same integers and float operations per lane.
 template <int64_t F, int R>
 void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
@@ -229,7 +238,7 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
       for (int64_t g = 0; g < ng; ++g) {
         const uint8_t* gp = tp + g * GB;
         const uint8_t* tail = gp + G * BB;
-        prefetch_ahead(tail, tail_bytes(F));
+        if (a.stream) prefetch_ahead(tail, tail_bytes(F));
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
             tail + tail_bytes(F) - (F == Q4_K || F == Q5_K ? 64 : 32) + 16 * h)));
         __m256i iS[R];  // Q5_0: the block's sum; K-quants: the super-block's scaled sums
@@ -237,7 +246,7 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
         for (int j = 0; j < G; ++j) {
           const int64_t b = g * G + j;
           const uint8_t* bp = gp + j * BB;
-          prefetch_ahead(bp, BB);
+          if (a.stream) prefetch_ahead(bp, BB);
           __m256i W0, W1;
           high_words256<F>(bp, h, W0, W1);
           // madd's multipliers per chunk: ones (Q5_0), the block's scale (Q4_K, Q5_K) or the 16-column
@@ -251,7 +260,7 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
           } else {
             m0 = m1 = pairs256(tail + 16 * j, tail + 16 * j, h, false);
           }
-          __m256i P[R];
+          __m256i P[R], T[R];
           auto chunk = [&](auto cc) {
             constexpr int c = decltype(cc)::value;
             __m256i lo, hi;
@@ -259,14 +268,27 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
             for (int i = 0; i < R; ++i) {
               const __m256i m = _mm256_add_epi16(dot2(lo, codes4(xq, K, i, 32 * b + 8 * c)), dot2(hi, codes4(xq, K, i, 32 * b + 8 * c + 4)));
               P[i] = c % PAIRS16 == 0 ? m : _mm256_add_epi16(P[i], m);
+              in_register(P[i]);
             }
             if constexpr ((c + 1) % PAIRS16 == 0)
-              for (int i = 0; i < R; ++i) iS[i] = _mm256_add_epi32(iS[i], _mm256_madd_epi16(P[i], c < 2 ? m0 : m1));
+              for (int i = 0; i < R; ++i) {
+                if constexpr (F == Q6_K) {  // the block's sum first, then times kf below
+                  const __m256i v = _mm256_madd_epi16(P[i], c < 2 ? m0 : m1);
+                  T[i] = c == 0 ? v : _mm256_add_epi32(T[i], v);
+                } else {
+                  __m256i mult = c < 2 ? m0 : m1;  // K-quants: times the activation block's multiple kf
+                  if constexpr (F != Q5_0) mult = _mm256_mullo_epi16(mult, _mm256_set1_epi16(a.kf[i * nb + b]));
+                  iS[i] = _mm256_add_epi32(iS[i], _mm256_madd_epi16(P[i], mult));
+                }
+              }
           };
           chunk(std::integral_constant<int, 0>{});
           chunk(std::integral_constant<int, 1>{});
           chunk(std::integral_constant<int, 2>{});
           chunk(std::integral_constant<int, 3>{});
+          if constexpr (F == Q6_K)
+            for (int i = 0; i < R; ++i)
+              iS[i] = _mm256_add_epi32(iS[i], _mm256_mullo_epi32(T[i], _mm256_set1_epi32(a.kf[i * nb + b])));
           if constexpr (F == Q5_0) {
             for (int i = 0; i < R; ++i) {
               const __m256i s = _mm256_sub_epi32(iS[i], _mm256_set1_epi32(16 * a.isum[i * nb + b]));

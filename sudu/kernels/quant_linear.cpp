@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <cstdint>
 #include <type_traits>
@@ -39,19 +40,10 @@ namespace {
 
 using namespace qtiles;
 
-// The scale of one block of activations (amax / 127) and codes x * (1 / d) rounded to nearest even (the
-// default MXCSR mode), as PyTorch would compute them in float32: n floats (a multiple of 32) into xq.
-// Returns d; sum16 gets the sum of each 16 codes.
-inline float quantize_block(const float* x, int n, int8_t* xq, int32_t* sum16) {
-  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+// Codes x * id rounded to nearest even (the default MXCSR mode; packs saturate at +-127): n floats (a
+// multiple of 32) into xq; sum16 gets the sum of each 16 codes.
+inline void round_codes(const float* x, int n, float id, int8_t* xq, int32_t* sum16) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  __m256 amax = _mm256_setzero_ps();
-  for (int j = 0; j < n; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, _mm256_loadu_ps(x + j)));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float d = _mm_cvtss_f32(m4) / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
   auto hsum = [](__m256i v) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -68,7 +60,17 @@ inline float quantize_block(const float* x, int n, int8_t* xq, int32_t* sum16) {
     sum16[b / 16] = hsum(_mm256_add_epi32(qi[0], qi[1]));
     sum16[b / 16 + 1] = hsum(_mm256_add_epi32(qi[2], qi[3]));
   }
-  return d;
+}
+
+// The largest |x| of n floats (a multiple of 8).
+inline float abs_max(const float* x, int n) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < n; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, _mm256_loadu_ps(x + j)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
 }
 
 // Two int16 values as one int32 (low, high): a madd operand.
@@ -82,8 +84,14 @@ struct ActRows {
   std::vector<int8_t> xq, kq;
   std::vector<float> sx, xsum, ksx;
   std::vector<int32_t> isum, kpair, k16pair;
+  std::vector<int16_t> kf;
 
   // Rows in parallel (a prompt chunk's hundreds of rows), each row's values independent of the others.
+  //   q8_0: per 32 columns d = amax / 127, codes x * (1 / d).
+  //   q8_K: per 256 columns D = amax / 127, and per 32-block a multiple f in 1..8 of D / 8 as the block's
+  //   scale, the smallest that holds the block (f = ceil(8 * block amax / amax)): blocks well under the
+  //   super-block's largest keep most of q8_0's resolution, and the kernels still sum the super-block in
+  //   integers (f times the block's products). Codes x * (1 / (D * f / 8)).
   void quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K) {
     K = K_;
     nb = K / 32;
@@ -96,25 +104,39 @@ struct ActRows {
     if (q8_K) {  // K a multiple of 256
       kq.resize(M * K);
       ksx.resize(M * nb / 8);
+      kf.resize(M * nb);
       kpair.resize(M * nb / 2);
       k16pair.resize(M * nb);
     }
     auto rows = [&](int64_t m0, int64_t m1) {
-      std::vector<int32_t> s16(2 * nb);
+      int32_t s16[2];
+      std::vector<int32_t> fsum(nb);  // f * sum(codes) per block
       for (int64_t m = m0; m < m1; ++m) {
+        const float* xr = x + m * K;
         if (q8_0)
           for (int64_t b = 0; b < nb; ++b) {
             const int64_t o = m * nb + b;
-            sx[o] = quantize_block(x + m * K + 32 * b, 32, xq.data() + m * K + 32 * b, s16.data());
+            const float d = abs_max(xr + 32 * b, 32) / 127.0f;
+            round_codes(xr + 32 * b, 32, d != 0.0f ? 1.0f / d : 0.0f, xq.data() + m * K + 32 * b, s16);
+            sx[o] = d;
             isum[o] = s16[0] + s16[1];
-            xsum[o] = sx[o] * static_cast<float>(isum[o]);
+            xsum[o] = d * static_cast<float>(isum[o]);
           }
         if (q8_K) {
-          for (int64_t g = 0; g < nb / 8; ++g)
-            ksx[m * nb / 8 + g] = quantize_block(x + m * K + 256 * g, 256, kq.data() + m * K + 256 * g, s16.data() + 16 * g);
-          for (int64_t b = 0; b < nb; ++b) k16pair[m * nb + b] = int16_pair(s16[2 * b], s16[2 * b + 1]);
-          for (int64_t b = 0; b < nb; b += 2)
-            kpair[m * nb / 2 + b / 2] = int16_pair(s16[2 * b] + s16[2 * b + 1], s16[2 * b + 2] + s16[2 * b + 3]);
+          for (int64_t g = 0; g < nb / 8; ++g) {
+            const float amax = abs_max(xr + 256 * g, 256), D = amax / 127.0f;
+            ksx[m * nb / 8 + g] = D * 0.125f;
+            for (int64_t b = 8 * g; b < 8 * g + 8; ++b) {
+              const float bmax = abs_max(xr + 32 * b, 32);
+              const int f = amax != 0.0f ? std::min(8, std::max(1, static_cast<int>(std::ceil(8.0f * bmax / amax)))) : 8;
+              const float s = D * (static_cast<float>(f) * 0.125f);
+              round_codes(xr + 32 * b, 32, s != 0.0f ? 1.0f / s : 0.0f, kq.data() + m * K + 32 * b, s16);
+              kf[m * nb + b] = static_cast<int16_t>(f);
+              k16pair[m * nb + b] = int16_pair(f * s16[0], f * s16[1]);
+              fsum[b] = f * (s16[0] + s16[1]);
+            }
+          }
+          for (int64_t b = 0; b < nb; b += 2) kpair[m * nb / 2 + b / 2] = int16_pair(fsum[b], fsum[b + 1]);
         }
       }
     };
@@ -124,7 +146,7 @@ struct ActRows {
   Acts at(int64_t m) const {
     auto row = [](const auto& v, int64_t off) { return v.empty() ? nullptr : v.data() + off; };
     return Acts{row(xq, m * K), row(sx, m * nb), row(xsum, m * nb), row(isum, m * nb),
-                row(kq, m * K), row(ksx, m * nb / 8), row(kpair, m * nb / 2), row(k16pair, m * nb), K, nb};
+                row(kq, m * K), row(ksx, m * nb / 8), row(kf, m * nb), row(kpair, m * nb / 2), row(k16pair, m * nb), K, nb};
   }
 };
 
@@ -392,7 +414,8 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
     auto chunk = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
       const uint8_t* tp = j.p + t * j.tile_bytes;
-      const Acts a = j.x->at(m);
+      Acts a = j.x->at(m);
+      a.stream = m == 0;
       const float* b = j.bias ? j.bias + TILE_ROWS * t : nullptr;
       float* out = j.y + m * ldy + TILE_ROWS * t;
       if (j.fmt == INT4) {

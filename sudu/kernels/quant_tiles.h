@@ -29,9 +29,10 @@ inline void prefetch_start(const uint8_t* q) {
 // One call's quantized activations, from the first row a kernel call takes (row stride K codes, nb blocks
 // of 32 columns), in two forms, each made only when a range of the call reads it:
 //   q8_0 (sudu's int8/int4 tiles, Q5_0): x ~= sx * xq with one scale per 32 columns;
-//   q8_K (the K-quants, as llama.cpp's q8_K): x ~= ksx * kq with one scale per 256 columns, so a super-block's
-//   8 blocks sum in integers before one float multiply-add. The codes' sums come packed as int16 pairs for
-//   madd: kpair per two 32-blocks (the K-quants' min term), k16pair per 32-block's two halves (Q6_K's offset).
+//   q8_K (the K-quants): x ~= ksx * kf * kq, ksx per 256 columns and a small integer kf (1..8) per 32, so a
+//   super-block's 8 blocks sum in integers before one float multiply-add. The codes' sums, times kf, come
+//   packed as int16 pairs for madd: kpair per two 32-blocks (the K-quants' min term), k16pair per 32-block's
+//   two halves (Q6_K's offset).
 struct Acts {
   const int8_t* xq;
   const float* sx;      // per block
@@ -39,9 +40,13 @@ struct Acts {
   const int32_t* isum;  // per block: sum(codes)
   const int8_t* kq;
   const float* ksx;         // per 256 columns (row stride nb / 8)
+  const int16_t* kf;        // per 32 columns (row stride nb)
   const int32_t* kpair;     // per 64 columns: int16 sums of kq's two 32-blocks (row stride nb / 2)
   const int32_t* k16pair;   // per 32 columns: int16 sums of kq's two 16-column halves (row stride nb)
   int64_t K, nb;
+  // Whether the kernel prefetches the weights ahead of its loads. A prompt's row chunks run one tile each
+  // (quant_linear.cpp run_tiles): only the first chunk's call streams it, the others find it in cache.
+  bool stream = true;
   inline int x4(int i, int64_t col) const { return *reinterpret_cast<const int*>(xq + i * K + col); }
   inline int k4(int i, int64_t col) const { return *reinterpret_cast<const int*>(kq + i * K + col); }
 };
