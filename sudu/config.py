@@ -65,6 +65,10 @@ class EngineConfig:
     # CUDA: decode steps of up to this many sequences replay graphs captured at load, one per padded batch
     # size (1, 2, 4, 8, ...: cuda/step.py); 0 = every step eager
     cuda_graph_max_batch: int = 64
+    # outputs handed to a request's consumer once a choice has this many new tokens (the first token and
+    # the finish never wait); 1 = every step's. Larger: fewer, burstier stream items, cheaper per token
+    # through Ray Serve (engine/stream_interval.py, docs/cluster.md)
+    stream_interval: int = 1
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 
@@ -83,6 +87,8 @@ class EngineConfig:
             # k drafts + 1 verified rows must fit the native attention kernel (NATIVE_MAX_Q = 8), whose rows
             # do not depend on each other: what keeps greedy verification identical to plain decoding
             raise ValueError("num_speculative_tokens must be between 1 and 7 (0 = the drafter's default)")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1 (1 = every step's output at once)")
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be >= 0 (0 = no CUDA graphs)")
         if self.speculative_max_batch < 0:

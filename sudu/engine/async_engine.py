@@ -19,11 +19,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from sudu.config import EngineConfig
 from sudu.engine.llm_engine import LLMEngine
 from sudu.engine.outputs import RequestOutput
+from sudu.engine.stream_interval import coalesced
 from sudu.engine.request import CheckedRequest
 from sudu.errors import EngineFailedError
 from sudu.sampling import SamplingParams
@@ -128,14 +130,10 @@ class AsyncLLMEngine:
         self._wake.set()
         finished = False
         try:
-            while True:
-                out = await stream.queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-                if finished:
-                    break
+            async with aclosing(coalesced(stream.queue, self.config.stream_interval)) as outputs:
+                async for out in outputs:
+                    finished = out.finished
+                    yield out
         finally:
             if not finished:
                 await self.abort(request_id)

@@ -23,6 +23,13 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     num_output_tokens: int = 0  # total generated so far by this choice
 
+    def then(self, later: CompletionOutput) -> CompletionOutput:
+        """This delta followed by a later one of the same choice, as one delta."""
+        logprobs = (None if self.logprobs is None and later.logprobs is None
+                    else (self.logprobs or []) + (later.logprobs or []))
+        return CompletionOutput(self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
+                                later.finish_reason, later.stop_reason, later.num_output_tokens)
+
 
 @dataclass
 class RequestMetrics:
@@ -79,6 +86,21 @@ class RequestOutput:
     # set by a cluster ingress (sudu/cluster/) on a request's first output: the replica that serves it and
     # the router's predicted prefix hit; the server adds it to the `sudu` extension
     route: dict | None = None
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by a later one of the same request, as one output: each choice's deltas
+        joined, the request's state (finish, cache accounting, metrics, error) as of the later one."""
+        choices = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            choices[c.index] = choices[c.index].then(c) if c.index in choices else c
+        route = {**(self.route or {}), **(later.route or {})} or None
+        return replace(later, prompt_token_ids=self.prompt_token_ids or later.prompt_token_ids,
+                       outputs=[choices[i] for i in sorted(choices)], error=later.error or self.error, route=route)
+
+    @property
+    def most_new_tokens(self) -> int:
+        """The most new tokens any one choice carries."""
+        return max((len(c.token_ids) for c in self.outputs), default=0)
 
     def routed(self, route: dict | None, **changes) -> RequestOutput:
         """This output with route's entries added to its own route, and any other fields replaced."""
