@@ -35,6 +35,25 @@ def one_request(client: httpx.Client, base: str, model: str, prompt: str, max_to
     return (tokens - 1) / (last - first)
 
 
+def time_to_first_token(client: httpx.Client, base: str, model: str, prompt: str) -> tuple[float, int] | None:
+    """(request sent -> first content chunk in seconds, usage.prompt_tokens) of a one-token cold request."""
+    body = {"model": model, "stream": True, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": uuid.uuid4().hex}, {"role": "user", "content": prompt}]}
+    first = prompt_tokens = None
+    start = time.perf_counter()
+    with client.stream("POST", f"{base}/chat/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:])
+            if first is None and any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
+                first = time.perf_counter()
+            if event.get("usage"):
+                prompt_tokens = event["usage"]["prompt_tokens"]
+    return (first - start, prompt_tokens) if first is not None and prompt_tokens else None
+
+
 def decode_speeds(base: str, model: str, prompts: list[str], max_tokens: int, warm: bool = True) -> list[float]:
     # a new connection per request: llama-server's build here drops a kept-alive connection's next request
     with httpx.Client(timeout=600, headers={"Connection": "close"}) as client:

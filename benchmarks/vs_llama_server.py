@@ -8,11 +8,12 @@ with their bootstrap 95% CIs (from `sudu bench compare`), and, as a check on the
 sudu bench's decode speed next to an independent minimal client's (benchmarks/independent_client.py)
 on each server. Last, both servers run at once (each idle while the other serves) and the independent
 client sends each prompt to both, in alternating order: the single-stream decode ratio from pairs a few
-seconds apart, which the VM's drift over minutes does not move.
+seconds apart, which the VM's drift over minutes does not move. `prompt-pairs` does the same for cold
+prompts' TTFT (one-token answers to ~500-token salted prompts), the check on the prompt ratio.
 
     python benchmarks/llama_server.py --build          # once: llama-server with AVX-512, without AMX
     python benchmarks/vs_llama_server.py [--model qwen2.5-coder-0.5b-instruct] [--threads 2] [--out DIR]
-                                         [--parts runs,interleaved]
+                                         [--parts runs,interleaved,prompt-pairs]
 
 Reports of every run stay in --out (JSON, Markdown) for `sudu bench compare`.
 """
@@ -27,6 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,13 +152,44 @@ def interleaved(urls: dict[str, str], model: str, n: int, max_tokens: int, settl
             time.sleep(settle)
             got = independent_client.decode_speeds(urls[side], model, [prompt], max_tokens, warm=False)
             speeds[side].append(got[0] if got else float("nan"))
-    ratios = [a / b for a, b in zip(speeds["sudu"], speeds["llama-server"]) if a == a and b == b]
+    med = {side: statistics.median(v) for side, v in speeds.items()}
+    return (f"sudu {med['sudu']:.1f} tok/s, llama-server {med['llama-server']:.1f} tok/s; "
+            + paired_ratio(speeds["sudu"], speeds["llama-server"]))
+
+
+def paired_ratio(sudu: list[float], peer: list[float]) -> str:
+    """The median of the per-pair sudu / llama-server ratios with a bootstrap 95% CI, and their range."""
+    ratios = [a / b for a, b in zip(sudu, peer) if a == a and b == b]
     rng = random.Random(0)
     boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
-    med = {side: statistics.median(v) for side, v in speeds.items()}
-    return (f"sudu {med['sudu']:.1f} tok/s, llama-server {med['llama-server']:.1f} tok/s; per-prompt ratio "
-            f"median {statistics.median(ratios):.2f}x [{boot[50]:.2f}, {boot[1949]:.2f}] over {len(ratios)} pairs, "
-            f"range {min(ratios):.2f}-{max(ratios):.2f}x")
+    return (f"per-prompt ratio median {statistics.median(ratios):.2f}x [{boot[50]:.2f}, {boot[1949]:.2f}] over "
+            f"{len(ratios)} pairs, range {min(ratios):.2f}-{max(ratios):.2f}x")
+
+
+def prompt_pairs(urls: dict[str, str], model: str, n: int, words: int, settle: float) -> str:
+    """Cold-prompt TTFT on both servers, prompt by prompt, alternating which goes first (as `interleaved`):
+    each prompt is `words` words of varied text behind a fresh salt, answered with one token, so the
+    time is the prompt's processing on each side, a few seconds apart."""
+    vocab = " ".join(CHAT_CODE_PROMPTS).split()
+    rng = random.Random(1)
+    prompts = [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
+    with httpx.Client(timeout=600, headers={"Connection": "close"}) as client:
+        for url in urls.values():
+            independent_client.time_to_first_token(client, url, model, prompts[0])  # warm-up
+        ttft = {side: [] for side in urls}
+        tokens = {side: [] for side in urls}
+        for i, prompt in enumerate(prompts):
+            for side in (list(urls) if i % 2 == 0 else list(reversed(urls))):
+                time.sleep(settle)
+                got = independent_client.time_to_first_token(client, urls[side], model, prompt)
+                ttft[side].append(got[0] if got else float("nan"))
+                tokens[side].append(got[1] if got else 0)
+    med = {side: statistics.median(v) for side, v in ttft.items()}
+    speed = {side: statistics.median(t / s for t, s in zip(tokens[side], ttft[side]) if t) for side in urls}
+    return (f"prompts of {statistics.median(tokens['sudu'])} / {statistics.median(tokens['llama-server'])} tokens; "
+            f"TTFT sudu {1e3 * med['sudu']:.0f} ms ({speed['sudu']:.0f} tok/s), llama-server "
+            f"{1e3 * med['llama-server']:.0f} ms ({speed['llama-server']:.0f} tok/s); TTFT "
+            + paired_ratio(ttft["sudu"], ttft["llama-server"]))
 
 
 def main() -> None:
@@ -169,9 +203,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="sudu's KV pool format (auto: the engine's choice)")
     parser.add_argument("--peer-first", action="store_true",
                         help="measure llama-server first (run both orders: the VM's speed drifts over minutes)")
-    parser.add_argument("--parts", default="runs,interleaved")
+    parser.add_argument("--parts", default="runs,interleaved,prompt-pairs")
     parser.add_argument("--n-interleaved", type=int, default=20, help="prompts sent to both servers, alternating")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds between the interleaved requests")
+    parser.add_argument("--n-prompt-pairs", type=int, default=8, help="cold prompts sent to both servers (prompt-pairs)")
+    parser.add_argument("--prompt-words", type=int, default=400, help="words per prompt-pairs prompt (~500 tokens)")
     args = parser.parse_args()
     parts = args.parts.split(",")
     binary = llama_server.require(args.llama_dir)
@@ -199,9 +235,16 @@ def main() -> None:
               both_up(sides, args, lambda urls: interleaved(urls, args.model, args.n_interleaved, args.max_tokens,
                                                                 args.settle)))
 
+    def prompt_check() -> None:
+        print("independent client, both servers up, cold prompts alternating:",
+              both_up(sides, args, lambda urls: prompt_pairs(urls, args.model, args.n_prompt_pairs, args.prompt_words,
+                                                                 args.settle)))
+
     if "runs" not in parts:
         if "interleaved" in parts:
             paired_check()
+        if "prompt-pairs" in parts:
+            prompt_check()
         return
     for side in (("llama-server", "sudu") if args.peer_first else ("sudu", "llama-server")):
         command = sides[side]
@@ -230,6 +273,8 @@ def main() -> None:
         print(f"  {side}: {client_check(results[side])}")
     if "interleaved" in parts:
         paired_check()
+    if "prompt-pairs" in parts:
+        prompt_check()
 
 
 def both_up(sides: dict, args, fn):
