@@ -13,23 +13,29 @@ import uuid
 import httpx
 
 
-def one_request(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int) -> float | None:
+def cold_chat_events(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int):
+    """(arrival time, whether it carries content, usage or None) per SSE event of a streamed greedy chat
+    request behind a fresh salt (cold for every server), its fixed length (ignore_eos) and its usage asked for."""
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": uuid.uuid4().hex}, {"role": "user", "content": prompt}]}
-    first = last = None
-    tokens = None
     with client.stream("POST", f"{base}/chat/completions", json=body) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
             event = json.loads(line[5:])
-            now = time.perf_counter()
-            if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
-                first = first or now
-                last = now
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+            content = any((c.get("delta") or {}).get("content") for c in event.get("choices") or [])
+            yield time.perf_counter(), content, event.get("usage")
+
+
+def one_request(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int) -> float | None:
+    first = last = tokens = None
+    for now, content, usage in cold_chat_events(client, base, model, prompt, max_tokens):
+        if content:
+            first = first or now
+            last = now
+        if usage:
+            tokens = usage["completion_tokens"]
     if first is None or not tokens or tokens < 2 or last == first:
         return None
     return (tokens - 1) / (last - first)
@@ -37,20 +43,13 @@ def one_request(client: httpx.Client, base: str, model: str, prompt: str, max_to
 
 def time_to_first_token(client: httpx.Client, base: str, model: str, prompt: str) -> tuple[float, int] | None:
     """(request sent -> first content chunk in seconds, usage.prompt_tokens) of a one-token cold request."""
-    body = {"model": model, "stream": True, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": uuid.uuid4().hex}, {"role": "user", "content": prompt}]}
     first = prompt_tokens = None
     start = time.perf_counter()
-    with client.stream("POST", f"{base}/chat/completions", json=body) as resp:
-        for line in resp.iter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            if first is None and any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
-                first = time.perf_counter()
-            if event.get("usage"):
-                prompt_tokens = event["usage"]["prompt_tokens"]
+    for now, content, usage in cold_chat_events(client, base, model, prompt, 1):
+        if content and first is None:
+            first = now
+        if usage:
+            prompt_tokens = usage["prompt_tokens"]
     return (first - start, prompt_tokens) if first is not None and prompt_tokens else None
 
 

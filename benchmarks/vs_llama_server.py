@@ -145,16 +145,26 @@ def interleaved(urls: dict[str, str], model: str, n: int, max_tokens: int, settl
     prompts = [CHAT_CODE_PROMPTS[i % len(CHAT_CODE_PROMPTS)] for i in range(n)]
     for url in urls.values():
         independent_client.decode_speeds(url, model, prompts[:1], 8)  # warm-up
-    speeds = {side: [] for side in urls}
-    for i, prompt in enumerate(prompts):
-        order = list(urls) if i % 2 == 0 else list(reversed(urls))
-        for side in order:
-            time.sleep(settle)
-            got = independent_client.decode_speeds(urls[side], model, [prompt], max_tokens, warm=False)
-            speeds[side].append(got[0] if got else float("nan"))
+
+    def speed(url: str, prompt: str) -> float:
+        got = independent_client.decode_speeds(url, model, [prompt], max_tokens, warm=False)
+        return got[0] if got else float("nan")
+
+    speeds = alternating(urls, prompts, settle, speed)
     med = {side: statistics.median(v) for side, v in speeds.items()}
     return (f"sudu {med['sudu']:.1f} tok/s, llama-server {med['llama-server']:.1f} tok/s; "
             + paired_ratio(speeds["sudu"], speeds["llama-server"]))
+
+
+def alternating(urls: dict[str, str], prompts: list[str], settle: float, measure) -> dict[str, list]:
+    """measure(url, prompt) on each server for each prompt, the order alternating from prompt to prompt,
+    each request `settle` seconds after the last one ended."""
+    results = {side: [] for side in urls}
+    for i, prompt in enumerate(prompts):
+        for side in (list(urls) if i % 2 == 0 else list(reversed(urls))):
+            time.sleep(settle)
+            results[side].append(measure(urls[side], prompt))
+    return results
 
 
 def paired_ratio(sudu: list[float], peer: list[float]) -> str:
@@ -176,14 +186,10 @@ def prompt_pairs(urls: dict[str, str], model: str, n: int, words: int, settle: f
     with httpx.Client(timeout=600, headers={"Connection": "close"}) as client:
         for url in urls.values():
             independent_client.time_to_first_token(client, url, model, prompts[0])  # warm-up
-        ttft = {side: [] for side in urls}
-        tokens = {side: [] for side in urls}
-        for i, prompt in enumerate(prompts):
-            for side in (list(urls) if i % 2 == 0 else list(reversed(urls))):
-                time.sleep(settle)
-                got = independent_client.time_to_first_token(client, urls[side], model, prompt)
-                ttft[side].append(got[0] if got else float("nan"))
-                tokens[side].append(got[1] if got else 0)
+        got = alternating(urls, prompts, settle, lambda url, prompt: independent_client.time_to_first_token(
+            client, url, model, prompt) or (float("nan"), 0))
+    ttft = {side: [t for t, _ in v] for side, v in got.items()}
+    tokens = {side: [n for _, n in v] for side, v in got.items()}
     med = {side: statistics.median(v) for side, v in ttft.items()}
     speed = {side: statistics.median(t / s for t, s in zip(tokens[side], ttft[side]) if t) for side in urls}
     return (f"prompts of {statistics.median(tokens['sudu'])} / {statistics.median(tokens['llama-server'])} tokens; "
@@ -240,11 +246,14 @@ def main() -> None:
               both_up(sides, args, lambda urls: prompt_pairs(urls, args.model, args.n_prompt_pairs, args.prompt_words,
                                                                  args.settle)))
 
-    if "runs" not in parts:
+    def paired_checks() -> None:
         if "interleaved" in parts:
             paired_check()
         if "prompt-pairs" in parts:
             prompt_check()
+
+    if "runs" not in parts:
+        paired_checks()
         return
     for side in (("llama-server", "sudu") if args.peer_first else ("sudu", "llama-server")):
         command = sides[side]
@@ -271,10 +280,7 @@ def main() -> None:
     print("\nmeasuring client vs an independent minimal client (per-request decode speed, median):")
     for side in sides:
         print(f"  {side}: {client_check(results[side])}")
-    if "interleaved" in parts:
-        paired_check()
-    if "prompt-pairs" in parts:
-        prompt_check()
+    paired_checks()
 
 
 def both_up(sides: dict, args, fn):

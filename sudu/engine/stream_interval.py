@@ -33,7 +33,7 @@ async def coalesced(queue: asyncio.Queue, interval: int) -> AsyncIterator[Reques
             if pending.finished or queue.empty():
                 break
             item = queue.get_nowait()
-        if pending.finished or pending.error is not None or not sent_a_token or pending.most_new_tokens >= interval:
+        if pending.finished or not sent_a_token or pending.most_new_tokens >= interval:  # a failed request is finished
             sent_a_token = sent_a_token or pending.most_new_tokens > 0
             out, pending = pending, None
             yield out
