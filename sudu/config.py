@@ -38,7 +38,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a quarter of available RAM, at most 4 GiB
     max_model_len: int | None = None  # None -> the model's context length, at most 32768
     max_num_seqs: int = 64  # sequences in the running batch
-    max_num_batched_tokens: int = 512  # tokens per forward pass (prefill chunks + decodes)
+    # tokens per forward pass (prefill chunks + decodes): a prompt of up to this many tokens is one chunk,
+    # its weights dequantized once (docs/cpu_speed.md "Prompt chunks of 2,048 tokens")
+    max_num_batched_tokens: int = 2048
     # prompt tokens per step while others decode (bounds their ITL); 0 = auto: sized from measured step
     # times so a step carrying one prompt's chunk costs at most max_itl_factor x a decode-only step (the
     # allowance is per prompt in flight: engine/scheduler.py ChunkBudget)

@@ -110,3 +110,34 @@ def test_a_longer_sequence_in_the_step_does_not_move_the_others_off_the_kernel(m
     together = run(cat(q, ql), cat(k, kl), cat(v, vl), mixed, True, monkeypatch)
     alone = run(q, k, v, A.build_metadata(q_lens, seqs, [cache], None), True, monkeypatch)
     assert torch.equal(torch.cat([together[:split], together[split + n_long:]]), alone)
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_prompt_chunks_attend_in_the_metadatas_sdpa_dtype(kind):
+    """A prompt chunk (from position 0, and a second chunk over cached keys under a mask) attended in
+    bfloat16 (sdpa_dtype, the prefill GEMMs' dtype) stays within bfloat16 rounding of float32, comes back
+    float32, and the decode rows of the same step do not move."""
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, d = 6, 2, 32
+    cache = make_kv_cache(kind, 512, kv_heads, d, torch.float32)
+    if kind == "int8":
+        cache.set_range(torch.full((kv_heads, d), 4.0), torch.full((kv_heads, d), 4.0))
+    q_lens, slots = [40, 30, 1], [torch.arange(0, 40), torch.arange(100, 160), torch.arange(300, 310)]
+    prior = torch.cat([slots[1][:30], slots[2][:9]])
+    cache.write(prior, torch.randn(len(prior), kv_heads, d, generator=g), torch.randn(len(prior), kv_heads, d, generator=g))
+    T = sum(q_lens)
+    q, k, v = (torch.randn(T, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    outs = {}
+    for dtype in (None, torch.bfloat16):
+        c = make_kv_cache(kind, 512, kv_heads, d, torch.float32)
+        c.k.copy_(cache.k), c.v.copy_(cache.v)
+        if kind == "int8":
+            c.k_scale, c.v_scale = cache.k_scale, cache.v_scale
+        meta = A.build_metadata(q_lens, slots, [c], None, sdpa_dtype=dtype)
+        assert len(meta.full.seqs) == 2 and meta.full.seqs[1].mask is not None
+        outs[dtype] = A.paged_attention(q, k, v, 0, meta, d ** -0.5, sliding=False)
+    lowp, ref = outs[torch.bfloat16], outs[None]
+    assert lowp.dtype == torch.float32
+    assert not torch.equal(lowp[:70], ref[:70])  # it did run in bfloat16
+    torch.testing.assert_close(lowp, ref, atol=3e-2, rtol=2e-2)
+    assert torch.equal(lowp[70:], ref[70:])

@@ -262,3 +262,27 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
         assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_mlp_bfloat16_chunks_give_the_float32_routes_values(monkeypatch):
+    """A prompt chunk through a quantized GatedMLP with bfloat16 GEMMs keeps gate_up in bfloat16 into
+    silu_mul and the down projection: bit for bit what the float32 route (gate_up -> float32 -> silu_mul
+    -> bfloat16 at the down GEMM) gives."""
+    from sudu.layers.mlp import GatedMLP
+
+    if kernels.load() is None:
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setattr(L, "PREFILL_DTYPE", torch.bfloat16)  # any CPU runs bf16 GEMMs, natively or not
+    monkeypatch.setattr(L, "PREFILL_MIN_ROWS", 64)
+    g = torch.Generator().manual_seed(5)
+    mlp = GatedMLP(96, 160, "silu")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(mlp, name)
+        setattr(mlp, name, L.QuantizedLinear.from_float("int4", torch.randn_like(lin.weight, generator=g) * 0.1))
+    mlp.fuse_projections()
+    assert mlp._bf16_chunks
+    x = torch.randn(70, 96, generator=g)
+    y = mlp(x)
+    mlp._bf16_chunks = False
+    assert y.dtype == torch.float32 and torch.equal(y, mlp(x))
+    assert torch.equal(mlp(x[:8]), mlp.down_proj(kernels.load().silu_mul(mlp.gate_up_proj(x[:8]))))

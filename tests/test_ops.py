@@ -59,6 +59,14 @@ def test_silu_mul(rows, inter):
     torch.testing.assert_close(kernels.load().silu_mul(gu), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 4864), (300, 21)])  # 21: tails after the 8- and 16-wide loops
+def test_silu_mul_bfloat16_is_the_float32_result_rounded(rows, inter):
+    gu = (torch.randn(rows, 2 * inter, generator=g(7)) * 6).bfloat16()
+    out = kernels.load().silu_mul(gu)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, kernels.load().silu_mul(gu.float()).bfloat16())
+
+
 @pytest.mark.parametrize("head_dim", [64, 20])  # 20: half of 10, a tail after the 8-wide loop
 def test_rotary_in_place_matches_apply_rotary(head_dim):
     rope = RotaryEmbedding(head_dim, 10000.0, 512)

@@ -16,6 +16,8 @@ from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
+from sudu.layers import linear
+from sudu.layers.linear import prefill_attention_dtype
 from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder, calibration_ids
 from sudu.layers.kv_cache import layer_kv_bytes_per_token
 from sudu.layers.kv_cache import make_kv_cache
@@ -206,6 +208,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config)
         self.device = resolve_device(config.device)
         self.block_size = config.block_size
+        # prompt chunks' attention in bfloat16 where their linears run as bfloat16 GEMMs (CPU only)
+        self.prefill_sdpa_dtype = prefill_attention_dtype(model) if self.device.type == "cpu" else None
         self.keep_hidden = False  # set by a drafter that reads the target's hidden states (MTP)
         self.last_hidden: torch.Tensor | None = None
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
@@ -304,4 +308,5 @@ class ModelRunner:
                 first = max(0, start + 1 - window)  # the earliest key the first new token can see
                 sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
         ctx_slots = context_slots([s.seq.block_table for s in scheduled], ends, bs)
-        return build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys)
+        sdpa_dtype = self.prefill_sdpa_dtype if sum(q_lens) >= linear.PREFILL_MIN_ROWS else None
+        return build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys, sdpa_dtype)

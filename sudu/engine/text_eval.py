@@ -20,7 +20,8 @@ def forward_text(model: torch.nn.Module, token_ids: list[int], pools: list) -> t
     n = len(token_ids)
     window = cfg.sliding_window if "sliding_attention" in cfg.layer_types else None
     device = pools[0].k.device
-    meta = build_metadata([n], [torch.arange(n)], pools, window)
+    sdpa_dtype = linear.prefill_attention_dtype(model) if n >= linear.PREFILL_MIN_ROWS and device.type == "cpu" else None
+    meta = build_metadata([n], [torch.arange(n)], pools, window, sdpa_dtype=sdpa_dtype)
     if device.type != "cpu":
         meta = meta.to(device)
     return model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), meta)

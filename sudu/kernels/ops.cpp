@@ -13,6 +13,7 @@
 #include <limits>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -85,16 +86,32 @@ void silu_mul_row(const float* g, int64_t I, float* o) {
   for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
 }
 
-// gu [T, 2I] (gate | up) -> silu(gate) * up [T, I]
+// gu [T, 2I] (gate | up) -> silu(gate) * up [T, I], float32, or bfloat16 in and out (a prompt chunk's
+// bfloat16 GEMM output, layers/mlp.py: the values silu_mul_row gives on the float32 copy, rounded to
+// nearest even as .to(torch.bfloat16) rounds them)
 torch::Tensor silu_mul(torch::Tensor gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
-              "gate_up must be contiguous float32 [T, 2I]");
+  const bool bf16 = gu.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(gu.dim() == 2 && (bf16 || gu.scalar_type() == torch::kFloat) && gu.is_contiguous() && gu.size(1) % 2 == 0,
+              "gate_up must be contiguous float32 or bfloat16 [T, 2I]");
   const int64_t I = gu.size(1) / 2;
   auto out = torch::empty({gu.size(0), I}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  if (!bf16) {
+    const float* gp = gu.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, gu.size(0), grain(I), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) silu_mul_row(gp + t * 2 * I, I, op + t * I);
+    });
+    return out;
+  }
+  const auto* gp = reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, gu.size(0), grain(I), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) silu_mul_row(gp + t * 2 * I, I, op + t * I);
+    std::vector<float> row(3 * I);
+    for (int64_t t = t0; t < t1; ++t) {
+      from_bf16(gp + t * 2 * I, 2 * I, row.data());
+      silu_mul_row(row.data(), I, row.data() + 2 * I);
+      to_bf16(row.data() + 2 * I, I, op + t * I);
+    }
   });
   return out;
 }

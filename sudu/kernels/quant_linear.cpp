@@ -35,6 +35,7 @@
 
 #include "kernels.h"
 #include "quant_tiles.h"
+#include "simd.h"
 
 namespace {
 
@@ -473,22 +474,6 @@ void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
     for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
       run_range(t0, std::min(total, t0 + chunk));
   });
-}
-
-// float32 -> bfloat16, round to nearest even (as PyTorch's .to(torch.bfloat16)); n a multiple of 8.
-inline void to_bf16(const float* in, int64_t n, uint16_t* out) {
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
-  for (int64_t i = 0; i < n; i += 16) {
-    __m256i h[2];
-    for (int j = 0; j < 2; ++j) {
-      const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(in + i + 8 * j));
-      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-      h[j] = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, odd)), 16);
-    }
-    // packus works per 128-bit lane; the permutation restores element order
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
-  }
 }
 
 // One tile's 16 rows (K = 32 * nb columns) as float32, w = s * q + m, into out (row stride ldo). Per chunk and

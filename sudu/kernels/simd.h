@@ -1,6 +1,46 @@
 // Small AVX2 helpers shared by the kernels.
 #pragma once
 #include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+// One float32 -> bfloat16, round to nearest even (as PyTorch's .to(torch.bfloat16) for finite values).
+inline uint16_t to_bf16_1(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// float32 -> bfloat16, n values, rounded as to_bf16_1.
+inline void to_bf16(const float* in, int64_t n, uint16_t* out) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i h[2];
+    for (int j = 0; j < 2; ++j) {
+      const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(in + i + 8 * j));
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+      h[j] = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, odd)), 16);
+    }
+    // packus works per 128-bit lane; the permutation restores element order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+  }
+  for (; i < n; ++i) out[i] = to_bf16_1(in[i]);
+}
+
+// bfloat16 -> float32 (exact), n values.
+inline void from_bf16(const uint16_t* in, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(out + i, &bits, 4);
+  }
+}
 
 // The sum of a vector's 8 floats.
 inline float hsum(__m256 v) {

@@ -115,12 +115,16 @@ class AttentionMetadata:
     full: AttentionView
     sliding: AttentionView | None  # None: the model has no sliding-window layers
     kv_caches: list[KVCache] = field(default_factory=list)  # per layer
+    # the element type the prompt chunks' SDPA runs in (None: the queries'): bfloat16 in a step whose
+    # linears run as bfloat16 GEMMs (layers/linear.py prefill_attention_dtype), which makes the flash
+    # kernel about 4x faster than in float32 and rounds no coarser than those GEMMs' inputs
+    sdpa_dtype: torch.dtype | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """The same batch with its index tensors on device (built on the host, copied once per step; the
         pools stay where they are)."""
         return AttentionMetadata(self.full.to(device), None if self.sliding is None else self.sliding.to(device),
-                                 self.kv_caches)
+                                 self.kv_caches, self.sdpa_dtype)
 
 
 def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], key_slots: list[torch.Tensor],
@@ -188,6 +192,7 @@ def build_metadata(
     kv_caches: list[KVCache],
     sliding_window: int | None,
     sliding_keys: list[tuple[int, torch.Tensor]] | None = None,
+    sdpa_dtype: torch.dtype | None = None,
 ) -> AttentionMetadata:
     """q_lens[i] new tokens of sequence i sit at the end of its context, whose slots are ctx_slots[i].
     With sliding_window set, sliding layers read either their own pool (sliding_keys[i] = (first
@@ -201,12 +206,12 @@ def build_metadata(
         else:
             sliding = build_view(q_lens, ctx_lens, [k0 for k0, _ in sliding_keys], [s for _, s in sliding_keys],
                                  sliding_window)
-    return AttentionMetadata(full, sliding, kv_caches)
+    return AttentionMetadata(full, sliding, kv_caches, sdpa_dtype)
 
 
 def _expand_heads(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[..., kv_heads, keys, D] -> [..., num_heads, keys, D], each kv head repeated for its query heads.
-    SDPA's own enable_gqa=True is slower on CPU (torch 2.13) than its fused kernel on expanded heads."""
+    In float32, SDPA's own enable_gqa=True is slower on CPU (torch 2.13) than its fused kernel on expanded heads."""
     groups = num_heads // kv.shape[-3]
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
 
@@ -229,14 +234,17 @@ def paged_attention(
     if view.paged is not None:
         scales = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (None, None)
         return paged_kernel(q, cache.k, cache.v, view.paged, scale, out, *scales)
+    dtype = meta.sdpa_dtype or q.dtype
     for s in view.seqs:
-        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
-        ks, vs = cache.read(s.key_slots, q.dtype)  # [keys, Hkv, D]
-        ks, vs = _expand_heads(ks.transpose(0, 1), qs.shape[0]), _expand_heads(vs.transpose(0, 1), qs.shape[0])
-        if s.mask is None:
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=scale)[0]
-        else:
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=s.mask, scale=scale)[0]
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).to(dtype)  # [H, q, D]
+        ks, vs = cache.read(s.key_slots, dtype)  # [keys, Hkv, D]
+        ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
+        gqa = dtype != q.dtype  # bfloat16: SDPA's own grouped heads (faster there than expanded copies)
+        if not gqa:
+            ks, vs = _expand_heads(ks, qs.shape[0]), _expand_heads(vs, qs.shape[0])
+        causal = s.mask is None
+        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=s.mask, is_causal=causal,
+                                           scale=scale, enable_gqa=gqa)[0]
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     d = view.decode
     kernel = decode_kernel(q, cache, d.rows.shape[1]) if d is not None else None

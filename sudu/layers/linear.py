@@ -241,19 +241,27 @@ class QuantizedLinear(nn.Module):
         y = self.forward(x.reshape(-1, self.in_features).float())
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
-    def _dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
+    def chunk_gemm(self, x: torch.Tensor, keep_gemm_dtype: bool = False) -> torch.Tensor:
+        """What forward computes for a prompt chunk (x 2-D, PREFILL_MIN_ROWS+ rows, float32 or PREFILL_DTYPE):
+        float32 out, or with keep_gemm_dtype (and no bias) the GEMM's own PREFILL_DTYPE output: the same
+        values before their float32 copy (layers/mlp.py passes gate_up to the down projection this way)."""
+        return self._dequantized_gemm(x, keep_gemm_dtype and self.bias is None)
+
+    def _dequantized_gemm(self, x: torch.Tensor, keep_gemm_dtype: bool = False) -> torch.Tensor:
         dtype = PREFILL_DTYPE if self._ext is not None else torch.float32
+        out_dtype = dtype if keep_gemm_dtype else torch.float32
         xg = x.to(dtype)
         # slices of whole tiles
-        rows_per_slice = max(TILE_ROWS, DEQUANT_SLICE_BYTES // (4 * self.in_features) // TILE_ROWS * TILE_ROWS)
+        row_bytes = dtype.itemsize * self.in_features
+        rows_per_slice = max(TILE_ROWS, DEQUANT_SLICE_BYTES // row_bytes // TILE_ROWS * TILE_ROWS)
         if rows_per_slice >= self.out_features:
-            y = F.linear(xg, self.dequantized_weight(dtype))
-            return y.float() + self.bias if self.bias is not None else y.float()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            y = F.linear(xg, self.dequantized_weight(dtype)).to(out_dtype)
+            return y.add_(self.bias) if self.bias is not None else y
+        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         for n0 in range(0, self.out_features, rows_per_slice):
             n1 = min(n0 + rows_per_slice, self.out_features)
             out[:, n0:n1] = F.linear(xg, self._slice_dequantized(n0, n1, dtype))
-        return out + self.bias if self.bias is not None else out
+        return out.add_(self.bias) if self.bias is not None else out
 
     def _slice_dequantized(self, n0: int, n1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows n0..n1 (n0 a multiple of 16) dequantized."""
@@ -269,6 +277,17 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
+
+
+def prefill_attention_dtype(model: nn.Module) -> torch.dtype | None:
+    """The element type for the attention of steps whose linears take the dequantize + GEMM path
+    (PREFILL_MIN_ROWS+ rows) when that path runs in bfloat16 (a CPU with native bf16 and the kernels
+    extension, so quantized linears: QuantizedLinear._dequantized_gemm), else None (attention in the
+    queries' dtype, as for float weights, whose users chose float32 numerics)."""
+    if PREFILL_DTYPE != torch.bfloat16:
+        return None
+    quantized = any(isinstance(m, QuantizedLinear) and m._ext is not None for m in model.modules())
+    return PREFILL_DTYPE if quantized else None
 
 
 class FloatWeight(nn.Module):
