@@ -5,14 +5,18 @@ whose compute threads sit well under 100% of a core while they decode is waiting
 is how the replica's second OpenMP team and its nice-15 threads showed up (docs/cluster.md).
 Then per stream: wakeups per second over all threads, and how often the two busiest (the engine's) were
 preempted.
+With --renice N the streams alternate between two priorities: every thread of the server's process tree
+(the ingress, Ray's processes, the replica's own threads) but the engine's two compute threads at nice 0,
+then at nice N, and the two medians are compared (root only: the priority is raised back between streams).
 
-    flock /tmp/sudu-bench.lock python -m benchmarks.cluster_cpu [--serve-args "--replicas 1"] [--streams 4]
+    flock /tmp/sudu-bench.lock python -m benchmarks.cluster_cpu [--serve-args "--replicas 1"] [--streams 4] [--renice 19]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +98,26 @@ def report(before: dict, after: dict, wall: float, label: str, top: int) -> None
             print(f"    {100 * used / wall:6.1f}% of a core  {key:>7}  {name}")
 
 
+def renice_all_but_engine(server_pid: int, engine: set[int], nice: int) -> int:
+    """Every thread of the server's process tree except `engine` (thread ids) to `nice`; returns how many."""
+    n = 0
+    root = psutil.Process(server_pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            tids = [t.id for t in proc.threads()]
+        except psutil.Error:
+            continue
+        for tid in tids:
+            if tid in engine:
+                continue
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                n += 1
+            except OSError:
+                pass
+    return n
+
+
 def stream(url: str, model: str, prompt: str, tokens: int) -> tuple[int, float]:
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
             "temperature": 0, "stream_options": {"include_usage": True}}
@@ -121,7 +145,11 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--top", type=int, default=8, help="processes (threads) listed per stream")
+    p.add_argument("--renice", type=int, default=None, metavar="N",
+                   help="alternate the streams between nice 0 and nice N for every thread but the engine's two")
     args = p.parse_args()
+    if args.renice is not None and os.geteuid() != 0:
+        sys.exit("cluster_cpu: --renice needs root (each stream at nice 0 raises the threads' priority back)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     extra = f"--disk-cache-size 0 --speculative none --num-threads {args.threads} {args.serve_args}"
@@ -133,20 +161,33 @@ def main() -> None:
     try:
         wait_for_health(proc, url, 900, log.name)
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        stream(url, model, "warm up", 8)
+        warm = thread_counters()
+        stream(url, model, "warm up", 64)
+        after = thread_counters()
+        engine = {tid for _, tid in sorted(after, key=lambda k: after[k][2] - warm.get(k, (0, 0, 0.0))[2])[-2:]}
         print(f"sudu serve {extra}")
+        speeds: dict[int, list[float]] = {}
         for i in range(args.streams):
+            nice = 0 if args.renice is None or i % 2 == 0 else args.renice
+            if args.renice is not None:
+                n = renice_all_but_engine(proc.pid, engine, nice)
+                print(f"nice {nice} for {n} threads (the engine's {sorted(engine)} stay at 0)")
             procs, threads, counters = cpu_seconds(), replica_thread_seconds(), thread_counters()
             t0 = time.perf_counter()
             tokens, decode_s = stream(url, model, f"{i}: write a long story about a lighthouse keeper", args.tokens)
             wall = time.perf_counter() - t0
             if tokens < 2 or decode_s <= 0:
                 sys.exit(f"cluster_cpu: stream {i + 1} returned {tokens} tokens; nothing to time (log: {log.name})")
+            speeds.setdefault(nice, []).append((tokens - 1) / decode_s)
             print(f"stream {i + 1}: {tokens} tokens, {(tokens - 1) / decode_s:.1f} tok/s after the first")
             report(procs, cpu_seconds(), wall, "processes", args.top)
             if threads:
                 report(threads, replica_thread_seconds(), wall, "the replica's threads", args.top)
             report_switches(counters, thread_counters(), wall)
+        if args.renice is not None and len(speeds) == 2:
+            med = {k: statistics.median(v) for k, v in speeds.items()}
+            print(f"median tok/s: nice 0 {med[0]:.1f}, nice {args.renice} {med[args.renice]:.1f} "
+                  f"({med[args.renice] / med[0]:.3f}x, {len(speeds[0])} and {len(speeds[args.renice])} streams)")
     finally:
         stop_server(proc)
 

@@ -2,7 +2,11 @@
 (the file's blocks, as `--quantization native` runs them) at each activation row count, median ms per call
 and GFLOP/s. Row counts of 1-8 are decode and speculation, 64-512 a prompt's chunks.
 
-    python -m benchmarks.native_kernels [--model qwen2.5-coder-1.5b-instruct] [--rows 1,4,64,256,512]
+    python -m benchmarks.native_kernels [--model qwen2.5-coder-1.5b-instruct] [--rows 1,4,64,256,512] [--gemm]
+
+By default each row count takes the path the engine takes (the integer kernel below PREFILL_MIN_ROWS, the
+dequantize + GEMM from there: layers/linear.py prefill_path). --gemm times both at every row count, the
+GEMM in bfloat16 and in float32, so the switch can be read off this CPU.
 
 To compare two builds side by side, run it alternately from a worktree of each, each with its own
 SUDU_HOME (the kernels' build cache) sharing the models:
@@ -17,7 +21,7 @@ import time
 
 import torch
 
-from sudu.layers import gguf_native
+from sudu.layers import gguf_native, linear
 from sudu.weights.loader import load_checkpoint
 
 TENSORS = ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight",
@@ -29,6 +33,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--rows", default="1,4,64,256,512")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gemm", action="store_true", help="time the integer kernel and both GEMMs at every row count")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(args.model, progress=False)
@@ -42,15 +47,28 @@ def main() -> None:
         n, k = qt.shape
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k)
-            layer(x)
-            times = []
-            for _ in range(50 if m <= 8 else 7):
-                t = time.perf_counter()
-                layer(x)
-                times.append(time.perf_counter() - t)
-            ms = statistics.median(times) * 1e3
-            print(f"  {name.split('.')[-2]:10} {qt.ggml_type:5} {n}x{k} rows {m:4}: {ms:8.3f} ms "
-                  f"({2 * m * n * k / ms / 1e6:6.1f})", flush=True)
+            paths = [("kernel", linear.NEVER, torch.float32), ("bf16 GEMM", 1, torch.bfloat16),
+                     ("f32 GEMM", 1, torch.float32)] if args.gemm else [(None, linear.PREFILL_MIN_ROWS, linear.PREFILL_DTYPE)]
+            for path, min_rows, dtype in paths:
+                saved = linear.PREFILL_MIN_ROWS, linear.PREFILL_DTYPE
+                linear.PREFILL_MIN_ROWS, linear.PREFILL_DTYPE = min_rows, dtype
+                try:
+                    ms = median_ms(layer, x)
+                finally:
+                    linear.PREFILL_MIN_ROWS, linear.PREFILL_DTYPE = saved
+                label = f" {path:9}" if path else ""
+                print(f"  {name.split('.')[-2]:10} {qt.ggml_type:5} {n}x{k} rows {m:4}{label}: {ms:8.3f} ms "
+                      f"({2 * m * n * k / ms / 1e6:6.1f})", flush=True)
+
+
+def median_ms(layer, x: torch.Tensor) -> float:
+    layer(x)
+    times = []
+    for _ in range(50 if x.shape[0] <= 8 else 7):
+        t = time.perf_counter()
+        layer(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py fo
                          M and on either instruction set, so results are bit for bit independent of the
                          batch: greedy speculative decoding stays identical to plain decoding.
   M >= PREFILL_MIN_ROWS  prefill chunks: dequantize slices of output channels (each temporary under
-                         DEQUANT_SLICE_BYTES) and run GEMMs, in bfloat16 on CPUs with native bf16
-                         dot products (avx512_bf16 / AMX: faster than the kernel from a few hundred rows), else in
-                         float32 (the kernel stays faster up to its 512 rows, so the switch is at 513).
+                         DEQUANT_SLICE_BYTES) and run GEMMs. Which side of the switch is faster depends on
+                         the CPU's multiply units (prefill_path below): with AMX tiles, bfloat16 GEMMs from 256
+                         rows; with AVX-512 VNNI and no AMX, the integer kernel at every row count (its int8
+                         dot products issue at twice bfloat16's rate there); AVX2 only, float32 GEMMs from 513.
 Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
 PyTorch ops: correct, but decode loses the quantization speed-up. (PyTorch's own packed kernels,
 _weight_int8pack_mm / _weight_int4pack_mm_for_cpu, need bf16 activations, per-channel int8 or their own
@@ -46,12 +47,35 @@ GROUP_SIZE = 32
 DEQUANT_SLICE_BYTES = 64 << 20
 
 
-def _cpu_has_native_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & kernels.cpu_flags())
+def _cpu_has_amx_bf16() -> bool:
+    """AMX's bfloat16 tiles listed by the CPU and granted by the OS (torch asks the kernel for them)."""
+    return "amx_bf16" in kernels.cpu_flags() and torch.cpu._is_amx_tile_supported()
 
 
-PREFILL_DTYPE = torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-PREFILL_MIN_ROWS = 256 if PREFILL_DTYPE == torch.bfloat16 else 513
+def _cpu_has_vnni() -> bool:
+    """The integer kernels' AVX-512 VNNI path (quant_linear.cpp cpu_has_vnni: the same features)."""
+    return {"avx512_vnni", "avx512vl", "avx512bw", "avx512dq"} <= kernels.cpu_flags()
+
+
+NEVER = 1 << 62
+
+
+def prefill_path() -> tuple[torch.dtype, int]:
+    """(PREFILL_DTYPE, PREFILL_MIN_ROWS): the GEMM's element type for prompt chunks and the fewest rows that take
+    it instead of the integer kernel, chosen by which is faster on this CPU's multiply units
+    (`python -m benchmarks.native_kernels --rows 64,256,512,2048 --gemm`; figures in docs/cpu_speed.md):
+    - AMX: oneDNN's bfloat16 tile GEMMs run at several times the kernel's rate from a few hundred rows;
+    - AVX-512 VNNI without AMX (Zen 4, AVX-512 Xeons whose AMX is not granted): `vpdpbusd` does twice the
+      multiply-adds per instruction of `vdpbf16ps`, so the kernel stays ahead at every row count;
+    - AVX2 only: float32 GEMMs catch up with the kernel's `maddubs` at about 512 rows."""
+    if _cpu_has_amx_bf16():
+        return torch.bfloat16, 256
+    if _cpu_has_vnni():
+        return torch.float32, NEVER
+    return torch.float32, 513
+
+
+PREFILL_DTYPE, PREFILL_MIN_ROWS = prefill_path()
 
 
 def quantize_int8(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,7 +305,7 @@ class QuantizedLinear(nn.Module):
 
 def prefill_attention_dtype(model: nn.Module) -> torch.dtype | None:
     """The element type for the attention of steps whose linears take the dequantize + GEMM path
-    (PREFILL_MIN_ROWS+ rows) when that path runs in bfloat16 (a CPU with native bf16 and the kernels
+    (PREFILL_MIN_ROWS+ rows) when that path runs in bfloat16 (prefill_path: AMX, and the kernels
     extension, so quantized linears: QuantizedLinear._dequantized_gemm), else None (attention in the
     queries' dtype, as for float weights, whose users chose float32 numerics)."""
     if PREFILL_DTYPE != torch.bfloat16:
