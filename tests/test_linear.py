@@ -287,3 +287,18 @@ def test_mlp_bfloat16_chunks_give_the_float32_routes_values(monkeypatch):
     mlp._bf16_chunks = False
     assert y.dtype == torch.float32 and torch.equal(y, mlp(x))
     assert torch.equal(mlp(x[:8]), mlp.down_proj(kernels.load().silu_mul(mlp.gate_up_proj(x[:8]))))
+
+
+@pytest.mark.parametrize("flags,amx_granted,path", [
+    ({"avx2", "avx512_vnni", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16", "amx_bf16", "amx_tile"}, True,
+     (torch.bfloat16, 256)),  # a Xeon with AMX: oneDNN's tile GEMMs
+    ({"avx2", "avx512_vnni", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16", "amx_bf16", "amx_tile"}, False,
+     (torch.float32, L.NEVER)),  # AMX listed, not granted by the OS
+    ({"avx2", "avx512_vnni", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16"}, False,
+     (torch.float32, L.NEVER)),  # Zen 4: bf16 dot products, no tiles: the integer kernel at every row count
+    ({"avx2", "fma", "f16c"}, False, (torch.float32, 513)),  # AVX2 only
+])
+def test_prompt_chunks_take_the_path_the_cpus_multiply_units_favour(monkeypatch, flags, amx_granted, path):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx_granted)
+    assert L.prefill_path() == path
