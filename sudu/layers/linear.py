@@ -57,7 +57,7 @@ def _cpu_has_vnni() -> bool:
     return {"avx512_vnni", "avx512vl", "avx512bw", "avx512dq"} <= kernels.cpu_flags()
 
 
-NEVER = 1 << 62
+NEVER = 1 << 62  # PREFILL_MIN_ROWS where no row count takes the GEMM
 
 
 def prefill_path() -> tuple[torch.dtype, int]:
