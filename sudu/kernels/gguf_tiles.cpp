@@ -65,7 +65,7 @@ inline __m256i shift256(__m256i v) {
 
 // The prefetches of one stretch of the weight stream [at, at + n), PREFETCH_BYTES ahead.
 inline void prefetch_ahead(const uint8_t* at, int64_t n) {
-  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o + PREFETCH_BYTES), _MM_HINT_T0);
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o + PREFETCH_BYTES), PREFETCH_HINT);
 }
 
 // Four activation codes of row i from column col (q8_0 or q8_K: Acts).

@@ -205,7 +205,7 @@ SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, co
         for (int i = 0; i < R; ++i) S[i] = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
           const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 64 * c;
-          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), PREFETCH_HINT);
           const __m512i raw = _mm512_loadu_si512(at);
           const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
           for (int i = 0; i < R; ++i) {
@@ -214,7 +214,7 @@ SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, co
           }
         }
         const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 256;
-        _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), PREFETCH_HINT);
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)));
         for (int i = 0; i < R; ++i) {
@@ -233,7 +233,7 @@ SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, co
         const uint8_t* codes = q8_codes(tp, b);
         for (int c = 0; c < 8; c += CH) {
           for (int h = 0; h < CH; ++h) {
-            _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * (c + h) + PREFETCH_BYTES), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * (c + h) + PREFETCH_BYTES), PREFETCH_HINT);
             const __m512i qv = _mm512_loadu_si512(codes + 64 * (c + h));
             for (int i = 0; i < R; ++i) S[h][i] = _mm512_dpbusd_epi32(S[h][i], qv, _mm512_set1_epi32(a.x4(i, 32 * b + 4 * (c + h))));
           }
@@ -241,7 +241,7 @@ SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, co
         for (int h = 1; h < CH; ++h)
           for (int i = 0; i < R; ++i) S[0][i] = _mm512_add_epi32(S[0][i], S[h][i]);
         const uint8_t* at = q8_scales(tp, b);
-        if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+        if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), PREFETCH_HINT);
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
         for (int i = 0; i < R; ++i) {
           const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
@@ -276,7 +276,7 @@ void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias
         for (int i = 0; i < R; ++i) S[i] = _mm256_setzero_si256();
         for (int c = 0; c < (INT4 ? 4 : 8); ++c) {
           const uint8_t* at = (INT4 ? tp + b * Q4_BLOCK_BYTES : q8_codes(tp, b)) + 64 * c + 32 * h;
-          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), PREFETCH_HINT);
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
           if (INT4) {
             // int16 sums over the whole block, widened once below: 8 pairs of at most 2 * 15 * 127 per lane
