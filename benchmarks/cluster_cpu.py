@@ -80,11 +80,17 @@ def thread_counters() -> dict[tuple[int, int], tuple[int, int, float]]:
     return out
 
 
+def busiest_threads(before: dict, after: dict, keys, n: int = 2) -> list:
+    """The n of keys (thread_counters keys) that used the most CPU from before to after (a thread born in
+    between counts from zero)."""
+    return sorted(keys, key=lambda k: after[k][2] - before.get(k, (0, 0, 0.0))[2], reverse=True)[:n]
+
+
 def report_switches(before: dict, after: dict, wall: float) -> None:
     """Wakeups per second over every thread, and the preemptions of the two busiest threads (the engine's)."""
     common = [k for k in after if k in before]
     wakeups = sum(after[k][0] - before[k][0] for k in common)
-    busiest = sorted(common, key=lambda k: after[k][2] - before[k][2], reverse=True)[:2]
+    busiest = busiest_threads(before, after, common)
     preempted = ", ".join(f"{(after[k][1] - before[k][1]) / wall:.0f}" for k in busiest)
     print(f"  wakeups (voluntary switches, all threads): {wakeups / wall:.0f}/s; the two busiest threads "
           f"preempted {preempted}/s")
@@ -164,7 +170,7 @@ def main() -> None:
         warm = thread_counters()
         stream(url, model, "warm up", 64)
         after = thread_counters()
-        engine = {tid for _, tid in sorted(after, key=lambda k: after[k][2] - warm.get(k, (0, 0, 0.0))[2])[-2:]}
+        engine = {tid for _, tid in busiest_threads(warm, after, after)}
         print(f"sudu serve {extra}")
         speeds: dict[int, list[float]] = {}
         for i in range(args.streams):

@@ -50,12 +50,8 @@ def main() -> None:
             paths = [("kernel", linear.NEVER, torch.float32), ("bf16 GEMM", 1, torch.bfloat16),
                      ("f32 GEMM", 1, torch.float32)] if args.gemm else [(None, linear.PREFILL_MIN_ROWS, linear.PREFILL_DTYPE)]
             for path, min_rows, dtype in paths:
-                saved = linear.PREFILL_MIN_ROWS, linear.PREFILL_DTYPE
-                linear.PREFILL_MIN_ROWS, linear.PREFILL_DTYPE = min_rows, dtype
-                try:
+                with linear.prefill_path_as(min_rows, dtype):
                     ms = median_ms(layer, x)
-                finally:
-                    linear.PREFILL_MIN_ROWS, linear.PREFILL_DTYPE = saved
                 label = f" {path:9}" if path else ""
                 print(f"  {name.split('.')[-2]:10} {qt.ggml_type:5} {n}x{k} rows {m:4}{label}: {ms:8.3f} ms "
                       f"({2 * m * n * k / ms / 1e6:6.1f})", flush=True)

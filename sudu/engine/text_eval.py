@@ -39,11 +39,8 @@ def text_logits(model: torch.nn.Module, token_ids: list[int], pools: list | None
         heads, k_dim, v_dim = cfg.kv_cache_shape()
         pools = [KVCache(len(token_ids), heads, k_dim, torch.float32, v_head_dim=v_dim)
                  for _ in range(cfg.num_hidden_layers)]
-    saved, linear.PREFILL_MIN_ROWS = linear.PREFILL_MIN_ROWS, prefill_min_rows
-    try:
+    with linear.prefill_path_as(prefill_min_rows):
         return model.compute_logits(forward_text(model, token_ids, pools)).float()
-    finally:
-        linear.PREFILL_MIN_ROWS = saved
 
 
 def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:

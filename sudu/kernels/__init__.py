@@ -43,6 +43,12 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
+def cpu_has_vnni() -> bool:
+    """Whether the extension's kernels take their AVX-512 VNNI path (quant_linear.cpp cpu_has_vnni: the same
+    features)."""
+    return {"avx512_vnni", "avx512vl", "avx512bw", "avx512dq"} <= cpu_flags()
+
+
 def _headers_sha() -> str:
     digest = hashlib.sha256()
     for header in sorted(Path(__file__).parent.glob("*.h")):

@@ -31,7 +31,9 @@ int4 layout, and read the weights once per row on AVX2-only CPUs: see docs/cpu_s
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -52,11 +54,6 @@ def _cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in kernels.cpu_flags() and torch.cpu._is_amx_tile_supported()
 
 
-def _cpu_has_vnni() -> bool:
-    """The integer kernels' AVX-512 VNNI path (quant_linear.cpp cpu_has_vnni: the same features)."""
-    return {"avx512_vnni", "avx512vl", "avx512bw", "avx512dq"} <= kernels.cpu_flags()
-
-
 NEVER = 1 << 62  # PREFILL_MIN_ROWS where no row count takes the GEMM
 
 
@@ -70,12 +67,25 @@ def prefill_path() -> tuple[torch.dtype, int]:
     - AVX2 only: float32 GEMMs catch up with the kernel's `maddubs` at about 512 rows."""
     if _cpu_has_amx_bf16():
         return torch.bfloat16, 256
-    if _cpu_has_vnni():
+    if kernels.cpu_has_vnni():
         return torch.float32, NEVER
     return torch.float32, 513
 
 
 PREFILL_DTYPE, PREFILL_MIN_ROWS = prefill_path()
+
+
+@contextlib.contextmanager
+def prefill_path_as(min_rows: int, dtype: torch.dtype | None = None) -> Iterator[None]:
+    """PREFILL_MIN_ROWS (and PREFILL_DTYPE, where given) set for the block's calls, restored after it:
+    measurements that take a chosen path through the layers (engine/text_eval.py, benchmarks/native_kernels.py)."""
+    global PREFILL_MIN_ROWS, PREFILL_DTYPE
+    saved = PREFILL_MIN_ROWS, PREFILL_DTYPE
+    PREFILL_MIN_ROWS, PREFILL_DTYPE = min_rows, dtype or PREFILL_DTYPE
+    try:
+        yield
+    finally:
+        PREFILL_MIN_ROWS, PREFILL_DTYPE = saved
 
 
 def quantize_int8(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
