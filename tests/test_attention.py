@@ -141,3 +141,49 @@ def test_prompt_chunks_attend_in_the_metadatas_sdpa_dtype(kind):
     assert not torch.equal(lowp[:70], ref[:70])  # it did run in bfloat16
     torch.testing.assert_close(lowp, ref, atol=3e-2, rtol=2e-2)
     assert torch.equal(lowp[70:], ref[70:])
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("window", [None, 23])
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_prompt_kernel_matches_sdpa(kind, window, head_dim, monkeypatch):
+    """The native prompt-chunk kernel (kernels/prompt_attention.cpp) against SDPA on the same metadata: a
+    first chunk from position 0 (149 tokens: item and key blocks with ragged ends), a later chunk of 70 over
+    90 cached keys (under a mask), grouped heads, sliding windows, a strided query; decode rows in the same
+    step untouched."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads = 6, 2
+    cache = make_kv_cache(kind, 512, kv_heads, head_dim, torch.float32)
+    if kind == "int8":
+        cache.set_range(torch.full((kv_heads, head_dim), 4.0), torch.full((kv_heads, head_dim), 4.0))
+    q_lens, slots = [149, 70, 1], [torch.arange(0, 149), torch.arange(200, 360), torch.arange(400, 410)]
+    prior = torch.cat([slots[1][:90], slots[2][:9]])
+    cache.write(prior, torch.randn(len(prior), kv_heads, head_dim, generator=g),
+                torch.randn(len(prior), kv_heads, head_dim, generator=g))
+    T = sum(q_lens)
+    qk = torch.randn(T, heads + kv_heads, head_dim, generator=g)
+    q, k = qk[:, :heads], qk[:, heads:]  # q strided, as the fused projection hands it over
+    v = torch.randn(T, kv_heads, head_dim, generator=g)
+    meta = A.build_metadata(q_lens, slots, [cache], window)
+    view = meta.sliding if window else meta.full
+    assert len(view.seqs) == 2 and view.seqs[1].mask is not None
+    calls = []
+    native = A.prompt_kernel(q, cache, torch.float32)
+    assert native is not None
+    monkeypatch.setattr(A, "prompt_kernel", lambda *a: lambda *b: calls.append(1) or native(*b))
+    got = A.paged_attention(q, k, v, 0, meta, head_dim ** -0.5, sliding=window is not None)
+    assert len(calls) == 2
+    monkeypatch.setattr(A, "prompt_kernel", lambda *a: None)
+    expected = A.paged_attention(q, k, v, 0, meta, head_dim ** -0.5, sliding=window is not None)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert torch.equal(got[T - 1:], expected[T - 1:])
+
+
+def test_prompt_kernel_rejects_bad_shapes():
+    ext = kernels.load()
+    q, kv, out = torch.randn(10, 4, 16), torch.randn(12, 2, 16), torch.empty(10, 4, 16)
+    with pytest.raises(RuntimeError, match="last of the keys"):
+        ext.prompt_attention(q, kv, kv, out, 5, 0, 0.25)  # 5 + 10 > 12 keys
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ext.prompt_attention(torch.randn(10, 4, 12), torch.randn(12, 2, 12), torch.randn(12, 2, 12),
+                             torch.empty(10, 4, 12), 2, 0, 0.25)

@@ -98,6 +98,25 @@ def test_each_format_matches_the_reference(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", list(BLOCKS))
+def test_codes_assembled_once_per_tile_give_the_same_rows(ggml_type):
+    """Prompt-sized calls on the VNNI path assemble each tile's codes once (set_unpack_rows: from how many
+    rows): bit for bit the rows of assembling them per 8 rows, at every row-chunk size (13 = 8 + 5)."""
+    if ext.set_isa("native") != "avx512vnni":
+        pytest.skip("the once-per-tile codes are the AVX-512 VNNI path's")
+    qt = random_tensor(ggml_type, 40, 512, permute=True)
+    layer = gguf_native.native_layer(qt, torch.randn(40))
+    x = torch.randn(13, 512)
+    before = ext.set_unpack_rows(1)
+    try:
+        once = layer(x)
+        ext.set_unpack_rows(1 << 40)
+        per_chunk = layer(x)
+    finally:
+        ext.set_unpack_rows(before)
+    assert torch.equal(once, per_chunk)
+
+
+@pytest.mark.parametrize("ggml_type", list(BLOCKS))
 def test_the_largest_codes_against_the_largest_activations_do_not_overflow(ggml_type):
     """Every code and sub-block scale at its largest (all bits set) against activations that all round to
     +127 or -127: the AVX2 kernels sum maddubs' int16 pairs over several chunks before widening them, and
@@ -120,10 +139,21 @@ def test_the_largest_codes_against_the_largest_activations_do_not_overflow(ggml_
     want = x.double() @ ref.double().T
     for isa in isas():
         ext.set_isa(isa)
+        xx = x.repeat(3, 1)  # 12 rows: past the 8-row kernel calls, where VNNI assembles codes once per tile
+        assert torch.equal(layer_rows(layer, xx, 1), layer_rows(layer, xx, 1 << 40))
+        torch.testing.assert_close(layer_rows(layer, xx, 1)[:4], layer(x))
         for m in (1, 4):
             y = layer(x[:m])
             err = (y.double() - want[:m]).abs().max() / want[:m].abs().max()
             assert err < 2e-5, (isa, m, float(err))
+
+
+def layer_rows(layer, x, unpack_rows: int):
+    before = ext.set_unpack_rows(unpack_rows)
+    try:
+        return layer(x)
+    finally:
+        ext.set_unpack_rows(before)
 
 
 def test_fused_layers_of_mixed_formats_equal_their_parts():

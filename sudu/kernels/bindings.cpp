@@ -1,7 +1,8 @@
 // The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers, with
 // gguf_tiles.cpp for GGUF's own block formats),
-// attention.cpp (attention of few new tokens over the paged KV pool), ops.cpp (a decoder layer's
-// elementwise steps), decoder.cpp (a whole decode step's decoder stack) and moe.cpp (routed experts).
+// attention.cpp (attention of few new tokens over the paged KV pool), prompt_attention.cpp (a prompt chunk's
+// attention), ops.cpp (a decoder layer's elementwise steps), decoder.cpp (a whole decode step's decoder
+// stack) and moe.cpp (routed experts).
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -16,7 +17,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa, "the dot-product instruction set qlinear uses");
   m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
+  m.def("set_unpack_rows", &set_unpack_rows, "rows from which GGUF tiles' codes are assembled once per call; returns the old value");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("prompt_attention", &prompt_attention,
+        "a prompt chunk's attention over its keys (causal from `first`, optional window), into out",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows: x * rsqrt(mean(x^2) + eps) * w");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");

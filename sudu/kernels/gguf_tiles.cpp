@@ -71,14 +71,14 @@ inline void prefetch_ahead(const uint8_t* at, int64_t n) {
 // Four activation codes of row i from column col (q8_0 or q8_K: Acts).
 inline int codes4(const int8_t* q, int64_t K, int i, int64_t col) { return *reinterpret_cast<const int*>(q + i * K + col); }
 
-// Chunk c (columns 8c..8c+7) of block b of a tile: the codes (low nibbles and high bits) of its 16 rows
-// against R activation rows (codes xq), into S (Q6_K: columns 16..31 into S2).
-template <int64_t F, int R, int c>
-SUDU_VNNI inline void vnni_chunk(const uint8_t* bp, __m512i W0, __m512i W1, const int8_t* xq, int64_t K, int64_t b,
-                                 __m512i* S, __m512i* S2) {
+// Chunk c (columns 8c..8c+7) of block bp of a tile: its 16 rows' codes, each lane's low 4 columns in lo
+// and high 4 in hi (low nibbles with their high bits W0, W1).
+template <int64_t F, int c>
+SUDU_VNNI inline void codes512(const uint8_t* bp, __m512i W0, __m512i W1, __m512i& lo, __m512i& hi) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   const __m512i raw = _mm512_loadu_si512(bp + 64 * c);
-  __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+  lo = _mm512_and_si512(raw, mask);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
   if constexpr (high_bits(F) == 1) {
     const __m512i bit4 = _mm512_set1_epi8(0x10);
     lo = _mm512_or_si512(lo, _mm512_and_si512(shift512<4 - c>(W0), bit4));
@@ -87,6 +87,45 @@ SUDU_VNNI inline void vnni_chunk(const uint8_t* bp, __m512i W0, __m512i W1, cons
     const __m512i bits45 = _mm512_set1_epi8(0x30);
     lo = _mm512_or_si512(lo, _mm512_and_si512(shift512<4 - 2 * c>(W0), bits45));
     hi = _mm512_or_si512(hi, _mm512_and_si512(shift512<4 - 2 * c>(W1), bits45));
+  }
+}
+
+// A tile's codes as codes512 assembles them, block by block: per block and chunk, lo then hi (64 bytes
+// each, UNPACKED_BLOCK bytes a block). A prompt's row chunks read them from here (L1/L2, made once per tile
+// and call) instead of assembling them again for every 8 rows.
+constexpr int64_t UNPACKED_BLOCK = 512;
+template <int64_t F>
+SUDU_VNNI void unpack_vnni(const uint8_t* tp, int64_t nb, uint8_t* out) {
+  constexpr int G = blocks_per_group(F), HB = high_bits(F);
+  constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = tp + b / G * GB + b % G * BB;
+    __m512i W0 = _mm512_setzero_si512(), W1 = _mm512_setzero_si512();
+    if constexpr (HB >= 1) W0 = _mm512_loadu_si512(bp + 256);
+    if constexpr (HB == 2) W1 = _mm512_loadu_si512(bp + 320);
+    uint8_t* o = out + b * UNPACKED_BLOCK;
+    __m512i lo, hi;
+#define SUDU_UNPACK(C)                              \
+    codes512<F, C>(bp, W0, W1, lo, hi);             \
+    _mm512_storeu_si512(o + 128 * C, lo);           \
+    _mm512_storeu_si512(o + 128 * C + 64, hi);
+    SUDU_UNPACK(0) SUDU_UNPACK(1) SUDU_UNPACK(2) SUDU_UNPACK(3)
+#undef SUDU_UNPACK
+  }
+}
+
+// Chunk c (columns 8c..8c+7) of block b of a tile: the codes (low nibbles and high bits) of its 16 rows
+// against R activation rows (codes xq), into S (Q6_K: columns 16..31 into S2). With `unpacked` (the
+// block's codes from unpack_vnni), the codes are read from there.
+template <int64_t F, int R, int c>
+SUDU_VNNI inline void vnni_chunk(const uint8_t* bp, const uint8_t* unpacked, __m512i W0, __m512i W1, const int8_t* xq,
+                                 int64_t K, int64_t b, __m512i* S, __m512i* S2) {
+  __m512i lo, hi;
+  if (unpacked) {
+    lo = _mm512_loadu_si512(unpacked + 128 * c);
+    hi = _mm512_loadu_si512(unpacked + 128 * c + 64);
+  } else {
+    codes512<F, c>(bp, W0, W1, lo, hi);
   }
   __m512i* T = (F == Q6_K && c >= 2) ? S2 : S;
   for (int i = 0; i < R; ++i) {
@@ -109,8 +148,10 @@ inline __m256i pairs256(const uint8_t* u, const uint8_t* v, int h, bool is_signe
   return is_signed ? _mm256_cvtepi8_epi16(ab) : _mm256_cvtepu8_epi16(ab);
 }
 
+// unpacked: one tile's codes from unpack_vnni (count 1), or null.
 template <int64_t F, int R>
-SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
+SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy,
+                        const uint8_t* unpacked = nullptr) {
   constexpr int G = blocks_per_group(F), HB = high_bits(F);
   constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
   const int64_t nb = a.nb, ng = nb / G, K = a.K;
@@ -131,20 +172,25 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
         const int64_t b = g * G + j;
         const uint8_t* bp = gp + j * BB;
         if (a.stream) prefetch_ahead(bp, BB);
+        // Q5_0's offset (q - 16: 16 * sum(x codes)) as the sums' starting value
         __m512i S[R], S2[R];
-        for (int i = 0; i < R; ++i) S[i] = S2[i] = _mm512_setzero_si512();
+        for (int i = 0; i < R; ++i) {
+          S[i] = F == Q5_0 ? _mm512_set1_epi32(-16 * a.isum[i * nb + b]) : _mm512_setzero_si512();
+          S2[i] = _mm512_setzero_si512();
+        }
         __m512i W0 = _mm512_setzero_si512(), W1 = _mm512_setzero_si512();
-        if constexpr (HB >= 1) W0 = _mm512_loadu_si512(bp + 256);
-        if constexpr (HB == 2) W1 = _mm512_loadu_si512(bp + 320);
-        vnni_chunk<F, R, 0>(bp, W0, W1, xq, K, b, S, S2);
-        vnni_chunk<F, R, 1>(bp, W0, W1, xq, K, b, S, S2);
-        vnni_chunk<F, R, 2>(bp, W0, W1, xq, K, b, S, S2);
-        vnni_chunk<F, R, 3>(bp, W0, W1, xq, K, b, S, S2);
+        const uint8_t* ub = unpacked ? unpacked + b * UNPACKED_BLOCK : nullptr;
+        if (!ub) {
+          if constexpr (HB >= 1) W0 = _mm512_loadu_si512(bp + 256);
+          if constexpr (HB == 2) W1 = _mm512_loadu_si512(bp + 320);
+        }
+        vnni_chunk<F, R, 0>(bp, ub, W0, W1, xq, K, b, S, S2);
+        vnni_chunk<F, R, 1>(bp, ub, W0, W1, xq, K, b, S, S2);
+        vnni_chunk<F, R, 2>(bp, ub, W0, W1, xq, K, b, S, S2);
+        vnni_chunk<F, R, 3>(bp, ub, W0, W1, xq, K, b, S, S2);
         if constexpr (F == Q5_0) {
-          for (int i = 0; i < R; ++i) {
-            const __m512i s = _mm512_sub_epi32(S[i], _mm512_set1_epi32(16 * a.isum[i * nb + b]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[i * nb + b])), acc[i]);
-          }
+          for (int i = 0; i < R; ++i)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[i]), _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[i * nb + b])), acc[i]);
         } else if constexpr (F == Q6_K) {
           const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j)));
           const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j + 16)));
@@ -534,6 +580,41 @@ void gguf_dot_tiles(int64_t fmt, bool vnni, int R, const uint8_t* p, int64_t cou
     case Q4_K: return dot_rows<Q4_K>(vnni, R, p, count, a, bias, y, ldy);
     case Q5_K: return dot_rows<Q5_K>(vnni, R, p, count, a, bias, y, ldy);
     case Q6_K: return dot_rows<Q6_K>(vnni, R, p, count, a, bias, y, ldy);
+    default: break;
+  }
+}
+
+int64_t gguf_unpacked_bytes(int64_t K) { return K / 32 * UNPACKED_BLOCK; }
+
+void gguf_unpack_tile(int64_t fmt, const uint8_t* tp, int64_t K, uint8_t* out) {
+  switch (fmt) {
+    case Q5_0: return unpack_vnni<Q5_0>(tp, K / 32, out);
+    case Q4_K: return unpack_vnni<Q4_K>(tp, K / 32, out);
+    case Q5_K: return unpack_vnni<Q5_K>(tp, K / 32, out);
+    case Q6_K: return unpack_vnni<Q6_K>(tp, K / 32, out);
+    default: break;
+  }
+}
+
+template <int64_t F>
+void dot_unpacked_rows(int R, const uint8_t* tp, const uint8_t* unpacked, const Acts& a, const float* bias, float* y,
+                       int64_t ldy) {
+  switch (R) {
+#define SUDU_R(N) \
+  case N: return dot_vnni<F, N>(tp, 1, a, bias, y, ldy, unpacked);
+    SUDU_R(1) SUDU_R(2) SUDU_R(3) SUDU_R(4) SUDU_R(5) SUDU_R(6) SUDU_R(7) SUDU_R(8)
+#undef SUDU_R
+    default: break;
+  }
+}
+
+void gguf_dot_unpacked(int64_t fmt, int R, const uint8_t* tp, const uint8_t* unpacked, const Acts& a,
+                       const float* bias, float* y, int64_t ldy) {
+  switch (fmt) {
+    case Q5_0: return dot_unpacked_rows<Q5_0>(R, tp, unpacked, a, bias, y, ldy);
+    case Q4_K: return dot_unpacked_rows<Q4_K>(R, tp, unpacked, a, bias, y, ldy);
+    case Q5_K: return dot_unpacked_rows<Q5_K>(R, tp, unpacked, a, bias, y, ldy);
+    case Q6_K: return dot_unpacked_rows<Q6_K>(R, tp, unpacked, a, bias, y, ldy);
     default: break;
   }
 }

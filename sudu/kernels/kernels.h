@@ -24,8 +24,14 @@ int64_t tile_bytes(int64_t fmt, int64_t K);
 torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K);
 std::string isa();
 std::string set_isa(const std::string& name);
+// The row count from which qlinear assembles a GGUF tile's codes once per call (VNNI); returns the previous one.
+int64_t set_unpack_rows(int64_t min_rows);
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
                       torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out);
+// softmax(q k^T * scale) v of a prompt chunk's queries over its sequence's keys, causal from `first` (and
+// within `window` keys when > 0), into out (prompt_attention.cpp).
+void prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, int64_t first,
+                      int64_t window, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);

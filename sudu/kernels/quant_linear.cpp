@@ -335,6 +335,10 @@ bool cpu_has_vnni() {
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
 }
 bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
+// From this many activation rows a call's GGUF tiles have their codes assembled once per tile (VNNI path,
+// run_tiles); below, the unpacked buffer's write and reads cost more than assembling per 8 rows.
+// set_unpack_rows moves it, so tests and benchmarks can compare the two routes (the same results).
+int64_t unpack_min_rows = 64;
 
 // A weight tensor as the kernels take it: either packed tiles of one format (uint8 [tiles, K / 32, 320] int4,
 // [tiles, ceil(K / 64), 1088] int8), or a segmented tensor (uint8 [bytes], layers/gguf_native.py): a header of
@@ -407,7 +411,8 @@ struct Job {
 };
 
 // Tiles [t0, t1) of one job against its M activation rows. Up to MR_VNNI (AVX2: MR) rows, the tiles go
-// through one kernel call; with more, each tile meets every row chunk while it sits in L1/L2.
+// through one kernel call; with more, each tile meets every row chunk while it sits in L1/L2 (a GGUF tile on
+// the VNNI path, from unpack_min_rows rows: its codes assembled once, into a per-thread buffer).
 void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
   const int64_t ldy = j.ldy;
   const bool vnni = use_vnni;
@@ -436,6 +441,20 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
   };
   if (M <= (vnni ? MR_VNNI : MR)) {
     run(t0, t1 - t0);
+  } else if (vnni && is_gguf_format(j.fmt) && M >= unpack_min_rows) {
+    // each tile's codes assembled once for all the row chunks (the same sums and float steps)
+    thread_local std::vector<uint8_t> unpacked;
+    unpacked.resize(gguf_unpacked_bytes(j.K));
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tp = j.p + t * j.tile_bytes;
+      gguf_unpack_tile(j.fmt, tp, j.K, unpacked.data());
+      row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) {
+        Acts a = j.x->at(m);
+        a.stream = false;
+        gguf_dot_unpacked(j.fmt, decltype(r)::value, tp, unpacked.data(), a, j.bias ? j.bias + TILE_ROWS * t : nullptr,
+                          j.y + m * ldy + TILE_ROWS * t, ldy);
+      });
+    }
   } else {
     for (int64_t t = t0; t < t1; ++t) run(t, 1);
   }
@@ -721,6 +740,13 @@ torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K) {
 // "avx512vnni" or "avx2": the dot-product path qlinear takes. set_isa("avx2") forces the AVX2 path (the
 // tests check both give identical results); set_isa("native") restores the CPU's best.
 std::string isa() { return use_vnni ? "avx512vnni" : "avx2"; }
+int64_t set_unpack_rows(int64_t min_rows) {
+  TORCH_CHECK(min_rows > 0, "min_rows must be positive");
+  const int64_t before = unpack_min_rows;
+  unpack_min_rows = min_rows;
+  return before;
+}
+
 std::string set_isa(const std::string& name) {
   TORCH_CHECK(name == "avx2" || name == "native", "isa must be 'avx2' or 'native'");
   use_vnni = name == "native" && cpu_has_vnni();

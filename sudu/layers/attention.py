@@ -6,7 +6,9 @@ AttentionMetadata: per group of layers (global; sliding-window), where the new t
 (slot_mapping) and, per sequence, which slots hold the keys it may see. Sequences with few new tokens
 (decodes, speculative verification, short chunks) are attended together in one call: the native kernel
 (kernels/attention.cpp) reads their keys straight from the pool, each query row on its own; without it,
-one padded SDPA call over gathered copies. Longer prefill chunks attend one by one through SDPA.
+one padded SDPA call over gathered copies. Longer prefill chunks attend one by one: in float32 through the
+native prompt kernel (kernels/prompt_attention.cpp: grouped heads without copies, causal blocks skipped),
+otherwise (bfloat16 chunks, CUDA, no extension) through SDPA.
 """
 from __future__ import annotations
 
@@ -66,10 +68,15 @@ class SeqAttention:
     q_len: int
     key_slots: torch.Tensor  # slots of the keys it may see, in position order (the new tokens included)
     mask: torch.Tensor | None  # [q_len, num_keys] True = attend; None -> plain causal from position 0
+    # the same mask as the native prompt kernel takes it: new token i sees key j where j <= first + i and,
+    # with a window (> 0), first + i - j < window
+    first: int = 0
+    window: int = 0
 
     def to(self, device: torch.device) -> SeqAttention:
         mask = None if self.mask is None else self.mask.to(device, non_blocking=True)
-        return SeqAttention(self.q_start, self.q_len, self.key_slots.to(device, non_blocking=True), mask)
+        return SeqAttention(self.q_start, self.q_len, self.key_slots.to(device, non_blocking=True), mask,
+                            self.first, self.window)
 
 
 @dataclass
@@ -148,7 +155,7 @@ def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], ke
                 mask = k_pos <= q_pos
                 if window:
                     mask &= q_pos - k_pos < window
-            seqs.append(SeqAttention(row, q_len, slots, mask))
+            seqs.append(SeqAttention(row, q_len, slots, mask, start - k0, window or 0))
         row += q_len
     decode = _decode_batch(small, small_rows, q_lens, ctx_lens, key_starts, key_slots, window) if small else None
     slot_mapping = torch.cat(slot_parts) if slot_parts else torch.zeros(0, dtype=torch.long)
@@ -209,6 +216,17 @@ def build_metadata(
     return AttentionMetadata(full, sliding, kv_caches, sdpa_dtype)
 
 
+def prompt_kernel(q: torch.Tensor, cache: KVCache, dtype: torch.dtype):
+    """The native prompt-chunk kernel (kernels/prompt_attention.cpp), or None: it takes float32 queries on the
+    CPU whose head size (K's and V's alike) is a multiple of 8; bfloat16 chunks stay with SDPA's flash kernel,
+    which runs them on the CPU's bfloat16 units."""
+    if (not q.is_cpu or q.dtype != torch.float32 or dtype != torch.float32 or q.shape[-1] % 8
+            or cache.k.shape[-1] != q.shape[-1] or cache.v.shape[-1] != q.shape[-1]):
+        return None
+    ext = kernels.load()
+    return None if ext is None else ext.prompt_attention
+
+
 def _expand_heads(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[..., kv_heads, keys, D] -> [..., num_heads, keys, D], each kv head repeated for its query heads.
     In float32, SDPA's own enable_gqa=True is slower on CPU (torch 2.13) than its fused kernel on expanded heads."""
@@ -235,7 +253,13 @@ def paged_attention(
         scales = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (None, None)
         return paged_kernel(q, cache.k, cache.v, view.paged, scale, out, *scales)
     dtype = meta.sdpa_dtype or q.dtype
+    native = prompt_kernel(q, cache, dtype) if view.seqs else None
     for s in view.seqs:
+        if native is not None:
+            ks, vs = cache.read(s.key_slots, dtype)  # [keys, Hkv, D]
+            native(q[s.q_start:s.q_start + s.q_len], ks, vs, out[s.q_start:s.q_start + s.q_len], s.first, s.window,
+                   scale)
+            continue
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).to(dtype)  # [H, q, D]
         ks, vs = cache.read(s.key_slots, dtype)  # [keys, Hkv, D]
         ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
