@@ -289,6 +289,50 @@ def test_mlp_bfloat16_chunks_give_the_float32_routes_values(monkeypatch):
     assert torch.equal(mlp(x[:8]), mlp.down_proj(kernels.load().silu_mul(mlp.gate_up_proj(x[:8]))))
 
 
+def test_a_long_prompts_mlp_in_row_blocks_gives_the_same_rows(monkeypatch):
+    """A prompt chunk's MLP in row blocks (mlp.BLOCK_BYTES: 183 rows as 64 + 64 + 55 here): bit for bit
+    the rows of one call, and every block goes through the native route (fused gate_up, silu_mul)."""
+    from sudu.layers import mlp as mlp_module
+
+    ext = kernels.load()
+    if ext is None:
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setattr(L, "PREFILL_MIN_ROWS", L.NEVER)
+    g = torch.Generator().manual_seed(6)
+    mlp = mlp_module.GatedMLP(96, 160, "silu")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(mlp, name)
+        setattr(mlp, name, L.QuantizedLinear.from_float("int4", torch.randn_like(lin.weight, generator=g) * 0.1))
+    mlp.fuse_projections()
+    x = torch.randn(183, 96, generator=g)
+    whole = mlp(x)
+    calls = []
+    gate_up = mlp.gate_up_proj.forward
+    monkeypatch.setattr(mlp.gate_up_proj, "forward", lambda v: calls.append(v.shape[0]) or gate_up(v))
+    monkeypatch.setattr(mlp_module, "BLOCK_BYTES", 8 * 320 * 64)  # 64 rows of gate_up output
+    assert torch.equal(mlp(x), whole)
+    assert calls == [64, 64, 55]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_outputs_written_past_the_caches_are_the_same(fmt):
+    """Prompt-sized calls write their outputs with non-temporal stores (VNNI, set_bypass_rows): the same
+    values as ordinary stores, at every row-chunk size (77 = 9 x 8 + 5)."""
+    ext = kernels.load()
+    if ext is None or ext.set_isa("native") != "avx512vnni":
+        pytest.skip("the non-temporal outputs are the AVX-512 VNNI path's")
+    layer = L.QuantizedLinear.from_float(fmt, torch.randn(48, 128) * 0.1, torch.randn(48))
+    x = torch.randn(77, 128)
+    before = ext.set_bypass_rows(1)
+    try:
+        bypassed = layer(x)
+        ext.set_bypass_rows(1 << 40)
+        cached = layer(x)
+    finally:
+        ext.set_bypass_rows(before)
+    assert torch.equal(bypassed, cached)
+
+
 @pytest.mark.parametrize("flags,amx_granted,path", [
     ({"avx2", "avx512_vnni", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16", "amx_bf16", "amx_tile"}, True,
      (torch.bfloat16, 256)),  # a Xeon with AMX: oneDNN's tile GEMMs

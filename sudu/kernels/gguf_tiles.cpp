@@ -227,7 +227,7 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
       }
     }
     const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
-    for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i], bv));
+    for (int i = 0; i < R; ++i) store_out(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i], bv), a.bypass);
   }
 }
 

@@ -26,6 +26,8 @@ std::string isa();
 std::string set_isa(const std::string& name);
 // The row count from which qlinear assembles a GGUF tile's codes once per call (VNNI); returns the previous one.
 int64_t set_unpack_rows(int64_t min_rows);
+// The row count from which a call's outputs bypass the caches; returns the previous one.
+int64_t set_bypass_rows(int64_t min_rows);
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
                       torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out);
 // softmax(q k^T * scale) v of a prompt chunk's queries over its sequence's keys, causal from `first` (and

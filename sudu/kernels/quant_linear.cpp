@@ -250,7 +250,7 @@ SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, co
       }
     }
     const __m512 bv = bias ? _mm512_loadu_ps(bias + TILE_ROWS * t) : _mm512_setzero_ps();
-    for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i], bv));
+    for (int i = 0; i < R; ++i) store_out(y + i * ldy + TILE_ROWS * t, _mm512_add_ps(acc[i], bv), a.bypass);
   }
 }
 
@@ -339,6 +339,11 @@ bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compar
 // run_tiles); below, the unpacked buffer's write and reads cost more than assembling per 8 rows.
 // set_unpack_rows moves it, so tests and benchmarks can compare the two routes (the same results).
 int64_t unpack_min_rows = 64;
+// From this many activation rows a call's outputs are written past the caches (non-temporal stores): a
+// prompt chunk's outputs (tens of MB) would otherwise be read from memory line by line before each write
+// and push the activations, tiles and codes the call reuses out of L2 and L3; the next step reads them
+// once, in order. set_bypass_rows moves it.
+int64_t bypass_min_rows = 64;
 
 // A weight tensor as the kernels take it: either packed tiles of one format (uint8 [tiles, K / 32, 320] int4,
 // [tiles, ceil(K / 64), 1088] int8), or a segmented tensor (uint8 [bytes], layers/gguf_native.py): a header of
@@ -416,12 +421,14 @@ struct Job {
 void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
   const int64_t ldy = j.ldy;
   const bool vnni = use_vnni;
+  const bool bypass = vnni && M >= bypass_min_rows;  // whole 64-byte lines per store
   auto run = [&](int64_t t, int64_t count) {
     auto chunk = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
       const uint8_t* tp = j.p + t * j.tile_bytes;
       Acts a = j.x->at(m);
       a.stream = m == 0;
+      a.bypass = bypass;
       const float* b = j.bias ? j.bias + TILE_ROWS * t : nullptr;
       float* out = j.y + m * ldy + TILE_ROWS * t;
       if (j.fmt == INT4) {
@@ -441,23 +448,28 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
   };
   if (M <= (vnni ? MR_VNNI : MR)) {
     run(t0, t1 - t0);
-  } else if (vnni && is_gguf_format(j.fmt) && M >= unpack_min_rows) {
-    // each tile's codes assembled once for all the row chunks (the same sums and float steps)
-    thread_local std::vector<uint8_t> unpacked;
-    unpacked.resize(gguf_unpacked_bytes(j.K));
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tp = j.p + t * j.tile_bytes;
-      gguf_unpack_tile(j.fmt, tp, j.K, unpacked.data());
-      row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) {
-        Acts a = j.x->at(m);
-        a.stream = false;
-        gguf_dot_unpacked(j.fmt, decltype(r)::value, tp, unpacked.data(), a, j.bias ? j.bias + TILE_ROWS * t : nullptr,
-                          j.y + m * ldy + TILE_ROWS * t, ldy);
-      });
-    }
-  } else {
-    for (int64_t t = t0; t < t1; ++t) run(t, 1);
+    return;
   }
+  const bool once = vnni && is_gguf_format(j.fmt) && M >= unpack_min_rows;
+  thread_local std::vector<uint8_t> unpacked;
+  if (once) unpacked.resize(gguf_unpacked_bytes(j.K));
+  for (int64_t t = t0; t < t1; ++t) {
+    if (!once) {
+      run(t, 1);
+      continue;
+    }
+    // the tile's codes assembled once for all the row chunks (the same sums and float steps)
+    const uint8_t* tp = j.p + t * j.tile_bytes;
+    gguf_unpack_tile(j.fmt, tp, j.K, unpacked.data());
+    row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) {
+      Acts a = j.x->at(m);
+      a.stream = false;
+      a.bypass = bypass;
+      gguf_dot_unpacked(j.fmt, decltype(r)::value, tp, unpacked.data(), a, j.bias ? j.bias + TILE_ROWS * t : nullptr,
+                        j.y + m * ldy + TILE_ROWS * t, ldy);
+    });
+  }
+  if (bypass) _mm_sfence();  // the non-temporal stores visible before the join
 }
 
 // Chunks per thread that run_jobs cuts the tiles into.
@@ -744,6 +756,13 @@ int64_t set_unpack_rows(int64_t min_rows) {
   TORCH_CHECK(min_rows > 0, "min_rows must be positive");
   const int64_t before = unpack_min_rows;
   unpack_min_rows = min_rows;
+  return before;
+}
+
+int64_t set_bypass_rows(int64_t min_rows) {
+  TORCH_CHECK(min_rows > 0, "min_rows must be positive");
+  const int64_t before = bypass_min_rows;
+  bypass_min_rows = min_rows;
   return before;
 }
 

@@ -51,9 +51,20 @@ struct Acts {
   // Whether the kernel prefetches the weights ahead of its loads. A prompt's row chunks run one tile each
   // (quant_linear.cpp run_tiles): only the first chunk's call streams it, the others find it in cache.
   bool stream = true;
+  // Whether the outputs go past the caches (non-temporal stores: quant_linear.cpp bypass_min_rows).
+  bool bypass = false;
   inline int x4(int i, int64_t col) const { return *reinterpret_cast<const int*>(xq + i * K + col); }
   inline int k4(int i, int64_t col) const { return *reinterpret_cast<const int*>(kq + i * K + col); }
 };
+
+// A VNNI kernel's 16 outputs of one row (a whole 64-byte line): non-temporal where the call bypasses the
+// caches and the address allows it (rows are whole tiles apart, so in practice every one is aligned).
+// The AVX2 kernels write each line in two halves far apart in time, which a non-temporal store would
+// send to memory as two partial writes, so they always store through the caches.
+SUDU_VNNI inline void store_out(float* dst, __m512 v, bool bypass) {
+  if (bypass && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) _mm512_stream_ps(dst, v);
+  else _mm512_storeu_ps(dst, v);
+}
 
 // Weight formats of a tile range. INT8 and INT4 are sudu's own tiles (quant_linear.cpp); the others hold a
 // GGUF file's blocks, the same codes and scales in the same bits, rearranged into tiles (gguf_tiles.cpp).

@@ -15,6 +15,13 @@ ACTIVATIONS = {
 }
 
 
+# A long prompt chunk's MLP runs in row blocks whose gate/up output stays within this many bytes: it then
+# stays in L3 for silu_mul, and under glibc's mmap threshold (32 MiB), above which every call's output is
+# fresh memory that faults in page by page (docs/cpu_speed.md). Rows are independent, so the blocks give
+# the rows of one call bit for bit.
+BLOCK_BYTES = 28 << 20
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
         super().__init__()
@@ -48,9 +55,14 @@ class GatedMLP(nn.Module):
             if self._bf16_chunks and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= linear.PREFILL_MIN_ROWS:
                 gate_up = self.gate_up_proj.chunk_gemm(x, keep_gemm_dtype=True)
                 return self.down_proj.chunk_gemm(self._silu_mul(gate_up))
+            if self._silu_mul is not None and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2:
+                rows = max(64, BLOCK_BYTES // (8 * self.gate_up_proj.out_features)) if BLOCK_BYTES else x.shape[0]
+                if x.shape[0] <= rows:
+                    return self.down_proj(self._silu_mul(self.gate_up_proj(x)))
+                n = -(-x.shape[0] // rows)
+                step = (-(-x.shape[0] // n) + 7) // 8 * 8  # n even blocks, whole 8-row kernel calls
+                return torch.cat([self.down_proj(self._silu_mul(self.gate_up_proj(b))) for b in x.split(step)])
             gate_up = self.gate_up_proj(x)
-            if self._silu_mul is not None and gate_up.is_cpu and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
-                return self.down_proj(self._silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
