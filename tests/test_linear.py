@@ -309,7 +309,7 @@ def test_a_long_prompts_mlp_in_row_blocks_gives_the_same_rows(monkeypatch):
     calls = []
     gate_up = mlp.gate_up_proj.forward
     monkeypatch.setattr(mlp.gate_up_proj, "forward", lambda v: calls.append(v.shape[0]) or gate_up(v))
-    monkeypatch.setattr(mlp_module, "BLOCK_BYTES", 8 * 320 * 64)  # 64 rows of gate_up output
+    monkeypatch.setattr(mlp_module, "BLOCK_BYTES", 4 * 320 * 64)  # 64 rows of gate_up output
     assert torch.equal(mlp(x), whole)
     assert calls == [64, 64, 55]
 

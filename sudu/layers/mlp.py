@@ -15,11 +15,11 @@ ACTIVATIONS = {
 }
 
 
-# A long prompt chunk's MLP runs in row blocks whose gate/up output stays within this many bytes: it then
-# stays in L3 for silu_mul, and under glibc's mmap threshold (32 MiB), above which every call's output is
-# fresh memory that faults in page by page (docs/cpu_speed.md). Rows are independent, so the blocks give
-# the rows of one call bit for bit.
-BLOCK_BYTES = 28 << 20
+# A long prompt chunk's MLP runs in row blocks whose float32 gate/up output stays within this many bytes:
+# each block's intermediates then stay well under glibc's mmap threshold (32 MiB), above which every call's
+# output is fresh memory that faults in page by page, and within L3 (docs/cpu_speed.md). Rows are
+# independent, so the blocks give the rows of one call bit for bit.
+BLOCK_BYTES = 14 << 20
 
 
 class GatedMLP(nn.Module):
@@ -56,8 +56,10 @@ class GatedMLP(nn.Module):
                 gate_up = self.gate_up_proj.chunk_gemm(x, keep_gemm_dtype=True)
                 return self.down_proj.chunk_gemm(self._silu_mul(gate_up))
             if self._silu_mul is not None and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2:
-                rows = max(64, BLOCK_BYTES // (8 * self.gate_up_proj.out_features)) if BLOCK_BYTES else x.shape[0]
-                if x.shape[0] <= rows:
+                # blocks only where the whole call takes the integer kernel too (a GEMM route dequantizes the
+                # weights per call)
+                rows = max(64, BLOCK_BYTES // (4 * self.gate_up_proj.out_features)) if BLOCK_BYTES else x.shape[0]
+                if x.shape[0] <= rows or x.shape[0] >= linear.PREFILL_MIN_ROWS:
                     return self.down_proj(self._silu_mul(self.gate_up_proj(x)))
                 n = -(-x.shape[0] // rows)
                 step = (-(-x.shape[0] // n) + 7) // 8 * 8  # n even blocks, whole 8-row kernel calls
