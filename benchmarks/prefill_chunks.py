@@ -37,17 +37,27 @@ def main() -> None:
     llm.generate([[rng.randrange(1000, 20000) for _ in range(300)]], params)  # warm-up
     print(f"{args.model}: cold prompt, seconds (median of {args.rounds}) per max_num_batched_tokens", flush=True)
     for n in lengths:
-        times: dict[int, list[float]] = {b: [] for b in budgets}
-        for r in range(args.rounds):
-            for b in budgets:
-                scheduler.max_num_batched_tokens = b
-                ids = [rng.randrange(1000, 20000) for _ in range(n)]
-                t0 = time.perf_counter()
-                llm.generate([ids], params)
-                times[b].append(time.perf_counter() - t0)
-            print(f"  {n} tokens: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        times = cold_prompts_in_turn(llm, rng, n, budgets, args.rounds,
+                                     lambda b: setattr(scheduler, "max_num_batched_tokens", b))
         cells = ", ".join(f"{b}: {statistics.median(v):.3f} s" for b, v in times.items())
         print(f"  {n:5} tokens  {cells}", flush=True)
+
+
+def cold_prompts_in_turn(llm: LLM, rng: random.Random, n: int, settings: list, rounds: int, apply) -> dict:
+    """Seconds per cold prompt of n random tokens (a one-token answer) under each setting, `apply(setting)`
+    before each prompt: the settings in turn, their order reversed every round, so that the machine's drift
+    over minutes reaches each alike. {setting: [seconds per round]}."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    times: dict = {s: [] for s in settings}
+    for r in range(rounds):
+        for setting in settings if r % 2 == 0 else settings[::-1]:
+            apply(setting)
+            ids = [rng.randrange(1000, 20000) for _ in range(n)]
+            t0 = time.perf_counter()
+            llm.generate([ids], params)
+            times[setting].append(time.perf_counter() - t0)
+        print(f"  {n} tokens: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    return times
 
 
 if __name__ == "__main__":

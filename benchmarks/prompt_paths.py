@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.prefill_chunks import cold_prompts_in_turn
 from sudu import kernels
 from sudu.engine.llm import LLM
 from sudu.layers import mlp
@@ -59,22 +60,17 @@ def prompts(args) -> None:
           "and the median per-round ratio to the first setting", flush=True)
     saved = ext.set_unpack_rows(64), ext.set_bypass_rows(64), mlp.BLOCK_BYTES
     try:
+        def apply(setting) -> None:
+            ext.set_unpack_rows(setting[1])
+            ext.set_bypass_rows(setting[2])
+            mlp.BLOCK_BYTES = setting[3]
+
         for n in (int(t) for t in args.tokens.split(",")):
-            times: dict[str, list[float]] = {s[0]: [] for s in settings}
-            for r in range(args.rounds):
-                for name, unpack, bypass, block in settings if r % 2 == 0 else settings[::-1]:
-                    ext.set_unpack_rows(unpack)
-                    ext.set_bypass_rows(bypass)
-                    mlp.BLOCK_BYTES = block
-                    prompt = [rng.randrange(1000, 20000) for _ in range(n)]
-                    start = time.perf_counter()
-                    llm.generate([prompt], params)
-                    times[name].append(time.perf_counter() - start)
-                print(f"  {n} tokens, round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-            base = times[settings[0][0]]
+            times = cold_prompts_in_turn(llm, rng, n, settings, args.rounds, apply)
+            base = times[settings[0]]
             print(f"  {n} tokens: " + "; ".join(
-                f"{name} {1e3 * statistics.median(v):.0f} ms ({statistics.median([b / a for a, b in zip(base, v)]):.3f})"
-                for name, v in times.items()), flush=True)
+                f"{s[0]} {1e3 * statistics.median(v):.0f} ms ({statistics.median([b / a for a, b in zip(base, v)]):.3f})"
+                for s, v in times.items()), flush=True)
     finally:
         ext.set_unpack_rows(saved[0])
         ext.set_bypass_rows(saved[1])
