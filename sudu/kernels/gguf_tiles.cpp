@@ -90,10 +90,29 @@ SUDU_VNNI inline void codes512(const uint8_t* bp, __m512i W0, __m512i W1, __m512
   }
 }
 
+// 16 rows' bytes u and v interleaved and widened to int16 pairs (u[r], v[r]) per 32-bit lane: a madd operand.
+SUDU_VNNI inline __m512i pairs512(const uint8_t* u, const uint8_t* v, bool is_signed) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u)), b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  const __m256i ab = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+  return is_signed ? _mm512_cvtepi8_epi16(ab) : _mm512_cvtepu8_epi16(ab);
+}
 // A tile's codes as codes512 assembles them, block by block: per block and chunk, lo then hi (64 bytes
-// each, UNPACKED_BLOCK bytes a block). A prompt's row chunks read them from here (L1/L2, made once per tile
-// and call) instead of assembling them again for every 8 rows.
-constexpr int64_t UNPACKED_BLOCK = 512;
+// each, UNPACKED_BLOCK bytes a block); then, for the K-quants, per super-block the madd operands of its
+// scales that every row's offset or min term takes (pairs512: Q6_K's 8 sub-block scale pairs, Q4_K/Q5_K's
+// 4 min pairs; UNPACKED_GROUP bytes a super-block). A prompt's row chunks read them from here (L1/L2, made
+// once per tile and call) instead of assembling them again for every 8 rows.
+constexpr int64_t UNPACKED_BLOCK = 512, UNPACKED_GROUP = 512;
+template <int64_t F>
+SUDU_VNNI inline __m512i scale_pairs(const uint8_t* tail, int j) {
+  if constexpr (F == Q6_K) return pairs512(tail + 32 * j, tail + 32 * j + 16, true);
+  else return pairs512(tail + 128 + 16 * j, tail + 144 + 16 * j, false);
+}
+// Pair operand j of a super-block's scales (scale_pairs): read from an unpacked tile (up: the super-block's
+// entries there), else assembled from the tail.
+template <int64_t F>
+SUDU_VNNI inline __m512i group_pairs(const uint8_t* up, const uint8_t* tail, int j) {
+  return up ? _mm512_loadu_si512(up + 64 * (F == Q6_K ? j : j / 2)) : scale_pairs<F>(tail, j);
+}
 template <int64_t F>
 SUDU_VNNI void unpack_vnni(const uint8_t* tp, int64_t nb, uint8_t* out) {
   constexpr int G = blocks_per_group(F), HB = high_bits(F);
@@ -112,6 +131,12 @@ SUDU_VNNI void unpack_vnni(const uint8_t* tp, int64_t nb, uint8_t* out) {
     SUDU_UNPACK(0) SUDU_UNPACK(1) SUDU_UNPACK(2) SUDU_UNPACK(3)
 #undef SUDU_UNPACK
   }
+  if constexpr (F != Q5_0)
+    for (int64_t g = 0; g < nb / G; ++g) {
+      const uint8_t* tail = tp + g * GB + G * BB;
+      uint8_t* o = out + nb * UNPACKED_BLOCK + g * UNPACKED_GROUP;
+      for (int j = 0; j < G; j += F == Q6_K ? 1 : 2) _mm512_storeu_si512(o + 64 * (F == Q6_K ? j : j / 2), scale_pairs<F>(tail, j));
+    }
 }
 
 // Chunk c (columns 8c..8c+7) of block b of a tile: the codes (low nibbles and high bits) of its 16 rows
@@ -135,12 +160,6 @@ SUDU_VNNI inline void vnni_chunk(const uint8_t* bp, const uint8_t* unpacked, __m
   }
 }
 
-// 16 rows' bytes u and v interleaved and widened to int16 pairs (u[r], v[r]) per 32-bit lane: a madd operand.
-SUDU_VNNI inline __m512i pairs512(const uint8_t* u, const uint8_t* v, bool is_signed) {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u)), b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
-  const __m256i ab = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
-  return is_signed ? _mm512_cvtepi8_epi16(ab) : _mm512_cvtepu8_epi16(ab);
-}
 // The same for the 8 rows of half h (AVX2).
 inline __m256i pairs256(const uint8_t* u, const uint8_t* v, int h, bool is_signed) {
   const __m128i ab = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 8 * h)),
@@ -204,12 +223,13 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
             iS[i] = _mm512_add_epi32(iS[i], _mm512_mullo_epi32(_mm512_mullo_epi32(S[i], sc), _mm512_set1_epi32(a.kf[i * nb + b])));
         }
       }
+      // the scales' madd operands: from the unpacked tile, else assembled here
+      const uint8_t* up = unpacked ? unpacked + nb * UNPACKED_BLOCK + g * UNPACKED_GROUP : nullptr;
       if constexpr (F == Q6_K) {
         for (int i = 0; i < R; ++i) {
           __m512i off = _mm512_setzero_si512();
           for (int j = 0; j < G; ++j)
-            off = _mm512_add_epi32(off, _mm512_madd_epi16(pairs512(tail + 32 * j, tail + 32 * j + 16, true),
-                                                          _mm512_set1_epi32(a.k16pair[i * nb + g * G + j])));
+            off = _mm512_add_epi32(off, _mm512_madd_epi16(group_pairs<F>(up, tail, j), _mm512_set1_epi32(a.k16pair[i * nb + g * G + j])));
           const __m512 kd = _mm512_mul_ps(dv, _mm512_set1_ps(a.ksx[i * (nb / 8) + g]));
           acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iS[i], _mm512_slli_epi32(off, 5))), kd, acc[i]);
         }
@@ -218,8 +238,7 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
         for (int i = 0; i < R; ++i) {
           __m512i mins = _mm512_setzero_si512();
           for (int j = 0; j < G; j += 2)
-            mins = _mm512_add_epi32(mins, _mm512_madd_epi16(pairs512(tail + 128 + 16 * j, tail + 144 + 16 * j, false),
-                                                            _mm512_set1_epi32(a.kpair[i * (nb / 2) + (g * G + j) / 2])));
+            mins = _mm512_add_epi32(mins, _mm512_madd_epi16(group_pairs<F>(up, tail, j), _mm512_set1_epi32(a.kpair[i * (nb / 2) + (g * G + j) / 2])));
           const __m512 kx = _mm512_set1_ps(a.ksx[i * (nb / 8) + g]);
           acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iS[i]), _mm512_mul_ps(dv, kx), acc[i]);
           acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dminv, kx), acc[i]);
@@ -584,7 +603,7 @@ void gguf_dot_tiles(int64_t fmt, bool vnni, int R, const uint8_t* p, int64_t cou
   }
 }
 
-int64_t gguf_unpacked_bytes(int64_t K) { return K / 32 * UNPACKED_BLOCK; }
+int64_t gguf_unpacked_bytes(int64_t K) { return K / 32 * UNPACKED_BLOCK + K / 256 * UNPACKED_GROUP; }
 
 void gguf_unpack_tile(int64_t fmt, const uint8_t* tp, int64_t K, uint8_t* out) {
   switch (fmt) {
