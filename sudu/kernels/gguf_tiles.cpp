@@ -392,10 +392,11 @@ void dot_avx2(const uint8_t* p, int64_t count, const Acts& a, const float* bias,
 }
 
 template <int64_t F>
-void dot_rows(bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
+void dot_rows(bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy,
+              const uint8_t* unpacked) {
   switch (R) {
 #define SUDU_R(N) \
-  case N: return vnni ? dot_vnni<F, N>(p, count, a, bias, y, ldy) : dot_avx2<F, N>(p, count, a, bias, y, ldy);
+  case N: return vnni ? dot_vnni<F, N>(p, count, a, bias, y, ldy, unpacked) : dot_avx2<F, N>(p, count, a, bias, y, ldy);
     SUDU_R(1) SUDU_R(2) SUDU_R(3) SUDU_R(4) SUDU_R(5) SUDU_R(6) SUDU_R(7) SUDU_R(8)
 #undef SUDU_R
     default: break;
@@ -569,83 +570,46 @@ void repack_tiles(const uint8_t* blocks, int64_t rows, int64_t row_bytes, int64_
   }
 }
 
+// f(std::integral_constant<int64_t, F>) for GGUF format fmt (one of Q5_0, Q4_K, Q5_K, Q6_K).
+template <class Fn>
+auto with_format(int64_t fmt, Fn&& f) {
+  switch (fmt) {
+    case Q4_K: return f(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return f(std::integral_constant<int64_t, Q5_K>{});
+    case Q6_K: return f(std::integral_constant<int64_t, Q6_K>{});
+    default: return f(std::integral_constant<int64_t, Q5_0>{});
+  }
+}
+
 }  // namespace
 
 void gguf_repack(int64_t fmt, const uint8_t* blocks, int64_t rows, int64_t row_bytes, int64_t K, uint8_t* out,
                  int64_t t0, int64_t t1) {
-  switch (fmt) {
-    case Q5_0: return repack_tiles<Q5_0>(blocks, rows, row_bytes, K, out, t0, t1);
-    case Q4_K: return repack_tiles<Q4_K>(blocks, rows, row_bytes, K, out, t0, t1);
-    case Q5_K: return repack_tiles<Q5_K>(blocks, rows, row_bytes, K, out, t0, t1);
-    case Q6_K: return repack_tiles<Q6_K>(blocks, rows, row_bytes, K, out, t0, t1);
-    default: break;
-  }
+  if (!is_gguf_format(fmt)) return;
+  with_format(fmt, [&](auto f) { repack_tiles<decltype(f)::value>(blocks, rows, row_bytes, K, out, t0, t1); });
 }
 
 int64_t gguf_tile_bytes(int64_t fmt, int64_t K) {
-  switch (fmt) {
-    case Q5_0: return K / 32 * group_bytes(Q5_0);
-    case Q4_K: return K / 256 * group_bytes(Q4_K);
-    case Q5_K: return K / 256 * group_bytes(Q5_K);
-    case Q6_K: return K / 256 * group_bytes(Q6_K);
-    default: return -1;
-  }
+  if (!is_gguf_format(fmt)) return -1;
+  return with_format(fmt, [&](auto f) { return K / (f == Q5_0 ? 32 : 256) * group_bytes(f); });
 }
 
 void gguf_dot_tiles(int64_t fmt, bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, const float* bias,
-                    float* y, int64_t ldy) {
-  switch (fmt) {
-    case Q5_0: return dot_rows<Q5_0>(vnni, R, p, count, a, bias, y, ldy);
-    case Q4_K: return dot_rows<Q4_K>(vnni, R, p, count, a, bias, y, ldy);
-    case Q5_K: return dot_rows<Q5_K>(vnni, R, p, count, a, bias, y, ldy);
-    case Q6_K: return dot_rows<Q6_K>(vnni, R, p, count, a, bias, y, ldy);
-    default: break;
-  }
+                    float* y, int64_t ldy, const uint8_t* unpacked) {
+  if (!is_gguf_format(fmt)) return;
+  with_format(fmt, [&](auto f) { dot_rows<decltype(f)::value>(vnni, R, p, count, a, bias, y, ldy, unpacked); });
 }
 
 int64_t gguf_unpacked_bytes(int64_t K) { return K / 32 * UNPACKED_BLOCK + K / 256 * UNPACKED_GROUP; }
 
 void gguf_unpack_tile(int64_t fmt, const uint8_t* tp, int64_t K, uint8_t* out) {
-  switch (fmt) {
-    case Q5_0: return unpack_vnni<Q5_0>(tp, K / 32, out);
-    case Q4_K: return unpack_vnni<Q4_K>(tp, K / 32, out);
-    case Q5_K: return unpack_vnni<Q5_K>(tp, K / 32, out);
-    case Q6_K: return unpack_vnni<Q6_K>(tp, K / 32, out);
-    default: break;
-  }
-}
-
-template <int64_t F>
-void dot_unpacked_rows(int R, const uint8_t* tp, const uint8_t* unpacked, const Acts& a, const float* bias, float* y,
-                       int64_t ldy) {
-  switch (R) {
-#define SUDU_R(N) \
-  case N: return dot_vnni<F, N>(tp, 1, a, bias, y, ldy, unpacked);
-    SUDU_R(1) SUDU_R(2) SUDU_R(3) SUDU_R(4) SUDU_R(5) SUDU_R(6) SUDU_R(7) SUDU_R(8)
-#undef SUDU_R
-    default: break;
-  }
-}
-
-void gguf_dot_unpacked(int64_t fmt, int R, const uint8_t* tp, const uint8_t* unpacked, const Acts& a,
-                       const float* bias, float* y, int64_t ldy) {
-  switch (fmt) {
-    case Q5_0: return dot_unpacked_rows<Q5_0>(R, tp, unpacked, a, bias, y, ldy);
-    case Q4_K: return dot_unpacked_rows<Q4_K>(R, tp, unpacked, a, bias, y, ldy);
-    case Q5_K: return dot_unpacked_rows<Q5_K>(R, tp, unpacked, a, bias, y, ldy);
-    case Q6_K: return dot_unpacked_rows<Q6_K>(R, tp, unpacked, a, bias, y, ldy);
-    default: break;
-  }
+  if (!is_gguf_format(fmt)) return;
+  with_format(fmt, [&](auto f) { unpack_vnni<decltype(f)::value>(tp, K / 32, out); });
 }
 
 void gguf_dequant_tile(int64_t fmt, const uint8_t* tp, int64_t K, float* out, int64_t ldo) {
-  switch (fmt) {
-    case Q5_0: return dequant_tile<Q5_0>(tp, K, out, ldo);
-    case Q4_K: return dequant_tile<Q4_K>(tp, K, out, ldo);
-    case Q5_K: return dequant_tile<Q5_K>(tp, K, out, ldo);
-    case Q6_K: return dequant_tile<Q6_K>(tp, K, out, ldo);
-    default: break;
-  }
+  if (!is_gguf_format(fmt)) return;
+  with_format(fmt, [&](auto f) { dequant_tile<decltype(f)::value>(tp, K, out, ldo); });
 }
 
 }  // namespace qtiles

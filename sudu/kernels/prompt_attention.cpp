@@ -85,21 +85,6 @@ inline void values(const float* p, int64_t n, const float* vb, int64_t v_row, fl
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + r * D + c0 + 8 * c, a[r][c]);
 }
 
-// f(std::integral_constant<int, RB>, r0) over rows [0, R) in register blocks of at most RS rows.
-template <class F>
-inline void row_blocks(int64_t R, F&& f) {
-  int64_t r0 = 0;
-  for (; r0 + RS <= R; r0 += RS) f(std::integral_constant<int, RS>{}, r0);
-  switch (R - r0) {
-    case 5: f(std::integral_constant<int, 5>{}, r0); break;
-    case 4: f(std::integral_constant<int, 4>{}, r0); break;
-    case 3: f(std::integral_constant<int, 3>{}, r0); break;
-    case 2: f(std::integral_constant<int, 2>{}, r0); break;
-    case 1: f(std::integral_constant<int, 1>{}, r0); break;
-    default: break;
-  }
-}
-
 struct Scratch {
   std::vector<float> qs, o, s, kt, m, l;
   Scratch(int64_t R, int64_t D) : qs(R * D), o(R * D), s(R * KB), kt(D * KB), m(R), l(R) {}
@@ -128,7 +113,7 @@ void attend_item(const Geometry& x, int64_t g, int64_t i0, int64_t i1, Scratch& 
         for (int64_t d = 0; d < D; ++d) w.kt[d * KB + j] = 0.f;
       }
     }
-    row_blocks(R, [&](auto rb, int64_t r0) {
+    row_chunks<RS>(R, [&](auto rb, int64_t r0) {
       constexpr int RB = decltype(rb)::value;
       for (int64_t c0 = 0; c0 < nn; c0 += 16) scores<RB>(w.qs.data() + r0 * D, D, w.kt.data(), c0, w.s.data() + r0 * KB);
     });
@@ -163,7 +148,7 @@ void attend_item(const Geometry& x, int64_t g, int64_t i0, int64_t i1, Scratch& 
       }
     }
     const float* vb = x.v + j0 * x.v_row + g * x.v_head;
-    row_blocks(R, [&](auto rb, int64_t r0) {
+    row_chunks<RS>(R, [&](auto rb, int64_t r0) {
       constexpr int RB = decltype(rb)::value;
       const float* p = w.s.data() + r0 * KB;
       float* o = w.o.data() + r0 * D;

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -309,22 +310,6 @@ void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias
   }
 }
 
-// f(std::integral_constant<int, R>, m) over all M rows in chunks of at most MAXR (R a compile-time row count).
-template <int MAXR, class F>
-inline void row_chunks(int64_t M, F&& f) {
-  int64_t m = 0;
-  for (; m + MAXR <= M; m += MAXR) f(std::integral_constant<int, MAXR>{}, m);
-  switch (M - m) {
-#define SUDU_ROWS(R) \
-  case R:            \
-    if constexpr (R < MAXR) f(std::integral_constant<int, R>{}, m); \
-    break;
-    SUDU_ROWS(7) SUDU_ROWS(6) SUDU_ROWS(5) SUDU_ROWS(4) SUDU_ROWS(3) SUDU_ROWS(2) SUDU_ROWS(1)
-#undef SUDU_ROWS
-    default: break;
-  }
-}
-
 // AVX2 kernels take MR activation rows per call, VNNI ones MR_VNNI (each row's accumulators, a float one
 // and 1-4 integer ones, stay in registers).
 constexpr int MR = 4, MR_VNNI = 8;
@@ -422,12 +407,14 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
   const int64_t ldy = j.ldy;
   const bool vnni = use_vnni;
   const bool bypass = vnni && M >= bypass_min_rows;  // whole 64-byte lines per store
-  auto run = [&](int64_t t, int64_t count) {
+  const bool once = vnni && is_gguf_format(j.fmt) && M >= unpack_min_rows;
+  // tiles [t, t + count) against all M rows; unpacked: tile t's codes from gguf_unpack_tile (count 1)
+  auto run = [&](int64_t t, int64_t count, const uint8_t* unpacked) {
     auto chunk = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
       const uint8_t* tp = j.p + t * j.tile_bytes;
       Acts a = j.x->at(m);
-      a.stream = m == 0;
+      a.stream = m == 0 && !unpacked;  // unpacking read the tile already
       a.bypass = bypass;
       const float* b = j.bias ? j.bias + TILE_ROWS * t : nullptr;
       float* out = j.y + m * ldy + TILE_ROWS * t;
@@ -438,7 +425,7 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
         if (!vnni) dot_tiles<false, R>(tp, count, a, b, out, ldy);
         else dot_tiles_vnni<false, R, R <= 2 ? 4 : 2>(tp, count, a, b, out, ldy);
       } else {
-        gguf_dot_tiles(j.fmt, vnni, R, tp, count, a, b, out, ldy);
+        gguf_dot_tiles(j.fmt, vnni, R, tp, count, a, b, out, ldy, unpacked);
       }
     };
     if (vnni)
@@ -447,27 +434,15 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
       row_chunks<MR>(M, chunk);
   };
   if (M <= (vnni ? MR_VNNI : MR)) {
-    run(t0, t1 - t0);
+    run(t0, t1 - t0, nullptr);
     return;
   }
-  const bool once = vnni && is_gguf_format(j.fmt) && M >= unpack_min_rows;
   thread_local std::vector<uint8_t> unpacked;
   if (once) unpacked.resize(gguf_unpacked_bytes(j.K));
   for (int64_t t = t0; t < t1; ++t) {
-    if (!once) {
-      run(t, 1);
-      continue;
-    }
     // the tile's codes assembled once for all the row chunks (the same sums and float steps)
-    const uint8_t* tp = j.p + t * j.tile_bytes;
-    gguf_unpack_tile(j.fmt, tp, j.K, unpacked.data());
-    row_chunks<MR_VNNI>(M, [&](auto r, int64_t m) {
-      Acts a = j.x->at(m);
-      a.stream = false;
-      a.bypass = bypass;
-      gguf_dot_unpacked(j.fmt, decltype(r)::value, tp, unpacked.data(), a, j.bias ? j.bias + TILE_ROWS * t : nullptr,
-                        j.y + m * ldy + TILE_ROWS * t, ldy);
-    });
+    if (once) gguf_unpack_tile(j.fmt, j.p + t * j.tile_bytes, j.K, unpacked.data());
+    run(t, 1, once ? unpacked.data() : nullptr);
   }
   if (bypass) _mm_sfence();  // the non-temporal stores visible before the join
 }
@@ -752,22 +727,19 @@ torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K) {
 // "avx512vnni" or "avx2": the dot-product path qlinear takes. set_isa("avx2") forces the AVX2 path (the
 // tests check both give identical results); set_isa("native") restores the CPU's best.
 std::string isa() { return use_vnni ? "avx512vnni" : "avx2"; }
-int64_t set_unpack_rows(int64_t min_rows) {
-  TORCH_CHECK(min_rows > 0, "min_rows must be positive");
-  const int64_t before = unpack_min_rows;
-  unpack_min_rows = min_rows;
-  return before;
-}
-
-int64_t set_bypass_rows(int64_t min_rows) {
-  TORCH_CHECK(min_rows > 0, "min_rows must be positive");
-  const int64_t before = bypass_min_rows;
-  bypass_min_rows = min_rows;
-  return before;
-}
-
 std::string set_isa(const std::string& name) {
   TORCH_CHECK(name == "avx2" || name == "native", "isa must be 'avx2' or 'native'");
   use_vnni = name == "native" && cpu_has_vnni();
   return isa();
 }
+
+namespace {
+// A row threshold set to min_rows; the previous value.
+int64_t set_min_rows(int64_t& threshold, int64_t min_rows) {
+  TORCH_CHECK(min_rows > 0, "min_rows must be positive");
+  return std::exchange(threshold, min_rows);
+}
+}  // namespace
+
+int64_t set_unpack_rows(int64_t min_rows) { return set_min_rows(unpack_min_rows, min_rows); }
+int64_t set_bypass_rows(int64_t min_rows) { return set_min_rows(bypass_min_rows, min_rows); }

@@ -77,16 +77,14 @@ inline bool is_k_quant(int64_t f) { return f >= Q4_K && f <= Q6_K; }
 int64_t gguf_tile_bytes(int64_t fmt, int64_t K);
 // R (1..8) activation rows against `count` consecutive tiles from p, as quant_linear.cpp's dot_tiles:
 // tile t's outputs (plus bias) go to y[i * ldy + 16 * t + lane]. vnni: the AVX-512 VNNI path, else AVX2;
-// both compute the same integers and the same float operations in the same order.
+// both compute the same integers and the same float operations in the same order. unpacked (VNNI, count
+// 1): the tile's codes and scale operands from gguf_unpack_tile, read from there instead of assembled
+// again for every R rows of a prompt; the same results.
 void gguf_dot_tiles(int64_t fmt, bool vnni, int R, const uint8_t* p, int64_t count, const Acts& a, const float* bias,
-                    float* y, int64_t ldy);
-// AVX-512 VNNI only: one tile's codes assembled once (gguf_unpacked_bytes(K) bytes into out), then R (1..8)
-// activation rows against that tile with its codes read from there: the same integers and float operations
-// as gguf_dot_tiles, without assembling the codes again for every R rows of a prompt.
+                    float* y, int64_t ldy, const uint8_t* unpacked = nullptr);
+// AVX-512 VNNI only: one tile's codes and scale operands assembled once (gguf_unpacked_bytes(K) bytes into out).
 int64_t gguf_unpacked_bytes(int64_t K);
 void gguf_unpack_tile(int64_t fmt, const uint8_t* tp, int64_t K, uint8_t* out);
-void gguf_dot_unpacked(int64_t fmt, int R, const uint8_t* tp, const uint8_t* unpacked, const Acts& a,
-                       const float* bias, float* y, int64_t ldy);
 // Tiles [t0, t1) of a GGUF tensor in format fmt, from the file's blocks (rows x row_bytes, K columns per row),
 // into out (whole tiles of gguf_tile_bytes each; rows past the last are zero).
 void gguf_repack(int64_t fmt, const uint8_t* blocks, int64_t rows, int64_t row_bytes, int64_t K, uint8_t* out,

@@ -3,6 +3,23 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+// f(std::integral_constant<int, R>, m) over all M rows in chunks of at most MAXR (R a compile-time row count).
+template <int MAXR, class F>
+inline void row_chunks(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + MAXR <= M; m += MAXR) f(std::integral_constant<int, MAXR>{}, m);
+  switch (M - m) {
+#define SUDU_ROWS(R) \
+  case R:            \
+    if constexpr (R < MAXR) f(std::integral_constant<int, R>{}, m); \
+    break;
+    SUDU_ROWS(7) SUDU_ROWS(6) SUDU_ROWS(5) SUDU_ROWS(4) SUDU_ROWS(3) SUDU_ROWS(2) SUDU_ROWS(1)
+#undef SUDU_ROWS
+    default: break;
+  }
+}
 
 // One float32 -> bfloat16, round to nearest even (as PyTorch's .to(torch.bfloat16) for finite values).
 inline uint16_t to_bf16_1(float f) {
