@@ -123,7 +123,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--attention", action="store_true", help="time the prompt attention alone")
     args = p.parse_args()
-    if args.rounds < 1 or min(int(t) for t in args.tokens.split(",")) < 1:
+    try:
+        lengths = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        sys.exit(f"prompt_paths: --tokens must be comma-separated integers, got {args.tokens!r}")
+    if args.rounds < 1 or min(lengths) < 1:
         sys.exit("prompt_paths: --tokens and --rounds must be positive")
     torch.set_num_threads(2)
     (attention if args.attention else prompts)(args)
