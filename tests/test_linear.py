@@ -333,6 +333,32 @@ def test_outputs_written_past_the_caches_are_the_same(fmt):
     assert torch.equal(bypassed, cached)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_contiguous_shares_compute_every_tile_once(threads):
+    """qlinear's threads each stream a contiguous share of the tiles and take chunks from the back of the
+    others' when done (set_contiguous_shares): every output equals the shared counter's, with more threads
+    than cores (shares taken by other threads), calls of fewer tiles than threads, one row and 13."""
+    ext = kernels.load()
+    if ext is None:
+        pytest.skip("the native extension is not available")
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    before = ext.set_contiguous_shares(True)
+    try:
+        for fmt, n in (("int8", 16), ("int4", 48), ("int4", 16 * 37), ("int8", 16 * 101)):
+            layer = L.QuantizedLinear.from_float(fmt, torch.randn(n, 128) * 0.1, torch.randn(n))
+            for rows in (1, 13):
+                x = torch.randn(rows, 128)
+                ext.set_contiguous_shares(True)
+                shares = layer(x)
+                ext.set_contiguous_shares(False)
+                assert torch.equal(shares, layer(x)), (fmt, n, rows)
+                assert torch.allclose(shares, x @ layer.dequantized_weight().T + layer.bias, atol=0.05)
+    finally:
+        ext.set_contiguous_shares(before)
+        torch.set_num_threads(before_threads)
+
+
 @pytest.mark.parametrize("flags,amx_granted,path", [
     ({"avx2", "avx512_vnni", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16", "amx_bf16", "amx_tile"}, True,
      (torch.bfloat16, 256)),  # a Xeon with AMX: oneDNN's tile GEMMs

@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
   m.def("set_unpack_rows", &set_unpack_rows, "rows from which GGUF tiles' codes are assembled once per call; returns the old value");
   m.def("set_bypass_rows", &set_bypass_rows, "rows from which a call's outputs bypass the caches; returns the old value");
+  m.def("set_contiguous_shares", &set_contiguous_shares,
+        "whether qlinear's threads each stream a contiguous share of the tiles; returns the old value");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out",
         py::call_guard<py::gil_scoped_release>());
   m.def("prompt_attention", &prompt_attention,

@@ -28,6 +28,9 @@ std::string set_isa(const std::string& name);
 int64_t set_unpack_rows(int64_t min_rows);
 // The row count from which a call's outputs bypass the caches; returns the previous one.
 int64_t set_bypass_rows(int64_t min_rows);
+// Whether qlinear gives each thread a contiguous share of the tiles (else chunks from a shared counter);
+// returns the previous setting.
+bool set_contiguous_shares(bool on);
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
                       torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out);
 // softmax(q k^T * scale) v of a prompt chunk's queries over its sequence's keys, causal from `first` (and

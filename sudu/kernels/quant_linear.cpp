@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -450,11 +451,36 @@ void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
 // Chunks per thread that run_jobs cuts the tiles into.
 constexpr int64_t CHUNKS_PER_THREAD = 8;
 
-// The jobs' tiles as one range over threads: one fork and join for all of them. The threads take chunks of
-// consecutive tiles from a shared counter, so a thread the OS preempts (another process waking on its core)
-// leaves its remaining chunks to the others instead of holding every thread at the join; with a static
-// split, each preemption costs its length on every thread. A tile's outputs do not depend on which thread
-// or call computes it.
+// A thread's share of a call's tiles [lo, hi), in one word, so that its owner (taking chunks from the
+// front) and a thread done with its own share (taking them from the back) never take the same tile.
+struct alignas(64) Share {
+  std::atomic<uint64_t> v;
+  static uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) << 32 | static_cast<uint64_t>(hi); }
+  void set(int64_t lo, int64_t hi) { v.store(pack(lo, hi), std::memory_order_relaxed); }
+  // Up to n tiles [a, b) from the front (or the back); false when none are left.
+  bool take(int64_t n, bool front, int64_t& a, int64_t& b) {
+    uint64_t cur = v.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = static_cast<int64_t>(cur >> 32), hi = static_cast<int64_t>(cur & 0xffffffffu);
+      if (lo >= hi) return false;
+      a = front ? lo : std::max(lo, hi - n);
+      b = front ? std::min(hi, lo + n) : hi;
+      if (v.compare_exchange_weak(cur, front ? pack(b, hi) : pack(lo, a), std::memory_order_relaxed)) return true;
+    }
+  }
+};
+
+// Whether run_jobs gives each thread a contiguous share (else: chunks from one shared counter, in turn).
+// set_contiguous_shares switches it, so benchmarks can compare the two (the same results).
+bool contiguous_shares = true;
+
+// The jobs' tiles as one range over threads: one fork and join for all of them. Each thread streams its own
+// contiguous share of the tiles, a chunk at a time, so its weights are one stream that the prefetches
+// (PREFETCH_BYTES ahead) carry from chunk to chunk; with chunks from a shared counter in turn, every chunk
+// starts a new stream, which decode steps measured slower (docs/cpu_speed.md). A thread done with its
+// share takes chunks from the back of the others', so a thread the OS preempts (another process waking on
+// its core) leaves its remaining chunks to the rest instead of holding every thread at the join. A tile's
+// outputs do not depend on which thread or call computes it.
 void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -475,10 +501,24 @@ void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
     return;
   }
   const int64_t chunk = std::max<int64_t>(1, total / (threads * CHUNKS_PER_THREAD));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
-      run_range(t0, std::min(total, t0 + chunk));
+  if (!contiguous_shares) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
+        run_range(t0, std::min(total, t0 + chunk));
+    });
+    return;
+  }
+  TORCH_CHECK(total < (int64_t(1) << 31), "qlinear: too many tiles");
+  std::unique_ptr<Share[]> shares(new Share[threads]);
+  for (int64_t i = 0; i < threads; ++i) shares[i].set(total * i / threads, total * (i + 1) / threads);
+  // each index of [0, threads) is one share; a thread that gets several runs them in turn
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    int64_t a, b;
+    for (int64_t own = begin; own < end; ++own)
+      while (shares[own].take(chunk, true, a, b)) run_range(a, b);
+    for (int64_t k = 1; k < threads; ++k)
+      while (shares[(begin + k) % threads].take(chunk, false, a, b)) run_range(a, b);
   });
 }
 
@@ -743,3 +783,4 @@ int64_t set_min_rows(int64_t& threshold, int64_t min_rows) {
 
 int64_t set_unpack_rows(int64_t min_rows) { return set_min_rows(unpack_min_rows, min_rows); }
 int64_t set_bypass_rows(int64_t min_rows) { return set_min_rows(bypass_min_rows, min_rows); }
+bool set_contiguous_shares(bool on) { return std::exchange(contiguous_shares, on); }
