@@ -28,6 +28,7 @@
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -147,8 +148,16 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
                 const __m256 qv = _mm256_loadu_ps(qh + d);
                 for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + u * D + d), a[u]);
               }
+              const __m256 sv = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
+              const int64_t jj = j0 + k0;
+              uint64_t m8;
+              // 8 keys inside the row's span and all visible (a decode's usual case): one store
+              if (jj >= jb && jj + 8 <= je && (std::memcpy(&m8, m + jj, 8), m8 == 0x0101010101010101ull)) {
+                _mm256_storeu_ps(srow + jj, sv);
+                continue;
+              }
               alignas(32) float s8[8];
-              _mm256_store_ps(s8, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+              _mm256_store_ps(s8, sv);
               for (int u = 0; u < 8; ++u) {
                 const int64_t j = j0 + k0 + u;
                 if (j >= jb && j < je) srow[j] = m[j] ? s8[u] : NEG_INF;
