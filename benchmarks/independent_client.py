@@ -70,7 +70,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     prompts = [f"Write a Python function number {i} that does something useful, with tests." for i in range(args.n)]
-    speeds = decode_speeds(args.base, args.model, prompts, args.max_tokens)
+    try:
+        speeds = decode_speeds(args.base, args.model, prompts, args.max_tokens)
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"independent_client: {args.base}: {exc}")
+    if not speeds:
+        raise SystemExit(f"independent_client: no request to {args.base} streamed two or more tokens "
+                         "(is the server ready, and the model name right?)")
     print(f"median decode speed {statistics.median(speeds):.2f} tok/s over {len(speeds)} requests")
 
 
