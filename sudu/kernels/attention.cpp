@@ -171,8 +171,7 @@ void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_
         if (lo[i] == hi[i]) continue;
         for (int64_t h = 0; h < G; ++h) {
           float* s = score.data() + (i * G + h) * L;
-          float mx = NEG_INF;
-          for (int64_t j = lo[i]; j < hi[i]; ++j) mx = std::max(mx, s[j]);
+          const float mx = max_of(s + lo[i], hi[i] - lo[i]);
           const __m256 mxv = _mm256_set1_ps(mx);
           __m256 sum = _mm256_setzero_ps();
           int64_t j = lo[i];

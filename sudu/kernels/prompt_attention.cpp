@@ -128,8 +128,7 @@ void attend_item(const Geometry& x, int64_t g, int64_t i0, int64_t i1, Scratch& 
       }
       for (int64_t j = 0; j < jb; ++j) s[j] = NEG_INF;
       for (int64_t j = je; j < nn; ++j) s[j] = NEG_INF;
-      float mx = NEG_INF;
-      for (int64_t j = jb; j < je; ++j) mx = std::max(mx, s[j]);
+      const float mx = max_of(s + jb, je - jb);
       const float m_new = std::max(w.m[r], mx);
       const float corr = std::exp(w.m[r] - m_new);  // 0 on the row's first block (m = -inf)
       const __m256 mv = _mm256_set1_ps(m_new);

@@ -1,8 +1,10 @@
 // Small AVX2 helpers shared by the kernels.
 #pragma once
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 // f(std::integral_constant<int, R>, m) over all M rows in chunks of at most MAXR (R a compile-time row count).
@@ -65,6 +67,20 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The largest of s[0..n) (-inf for n = 0), 8 lanes at a time: a max is exact, so any order gives the same
+// value. A NaN is skipped, as std::max(running, NaN) skips it.
+inline float max_of(const float* s, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(s + j), m);  // m where the load is NaN
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  float mx = _mm_cvtss_f32(h);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
 }
 
 // exp(x) for 8 floats: exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by a degree-6
