@@ -470,7 +470,7 @@ struct alignas(64) Share {
   }
 };
 
-// Whether run_jobs gives each thread a contiguous share (else: chunks from one shared counter, in turn).
+// Whether run_jobs gives each thread a contiguous share (else: chunks of one share for all, in turn).
 // set_contiguous_shares switches it, so benchmarks can compare the two (the same results).
 bool contiguous_shares = true;
 
@@ -501,24 +501,18 @@ void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
     return;
   }
   const int64_t chunk = std::max<int64_t>(1, total / (threads * CHUNKS_PER_THREAD));
-  if (!contiguous_shares) {
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
-        run_range(t0, std::min(total, t0 + chunk));
-    });
-    return;
-  }
   TORCH_CHECK(total < (int64_t(1) << 31), "qlinear: too many tiles");
-  std::unique_ptr<Share[]> shares(new Share[threads]);
-  for (int64_t i = 0; i < threads; ++i) shares[i].set(total * i / threads, total * (i + 1) / threads);
-  // each index of [0, threads) is one share; a thread that gets several runs them in turn
+  // one share per thread; without contiguous shares, one for all, which every thread takes from the front
+  const int64_t n_shares = contiguous_shares ? threads : 1;
+  std::unique_ptr<Share[]> shares(new Share[n_shares]);
+  for (int64_t i = 0; i < n_shares; ++i) shares[i].set(total * i / n_shares, total * (i + 1) / n_shares);
+  // each index of [0, threads) owns a share; a thread that gets several indices runs them in turn
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     int64_t a, b;
     for (int64_t own = begin; own < end; ++own)
-      while (shares[own].take(chunk, true, a, b)) run_range(a, b);
-    for (int64_t k = 1; k < threads; ++k)
-      while (shares[(begin + k) % threads].take(chunk, false, a, b)) run_range(a, b);
+      while (shares[own % n_shares].take(chunk, true, a, b)) run_range(a, b);
+    for (int64_t k = 1; k < n_shares; ++k)
+      while (shares[(begin + k) % n_shares].take(chunk, false, a, b)) run_range(a, b);
   });
 }
 
