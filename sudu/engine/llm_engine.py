@@ -111,10 +111,12 @@ class LLMEngine:
         self.memory = memory_report(self)
         gib = 1 << 30
         log.info(
-            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens (%s); memory: weights %.2f GiB, KV pool "
-            "%.2f GiB (%.2f GiB resident, the rest committed as it fills), process %.2f GiB resident",
+            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens (%s); memory: weights %.2f GiB (%.2f GiB "
+            "in huge pages), KV pool %.2f GiB (%.2f GiB resident, the rest committed as it fills), process %.2f GiB "
+            "resident",
             ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size, config.kv_cache_dtype,
-            self.memory["memory_weights_bytes"] / gib, self.memory["memory_kv_pool_bytes"] / gib,
+            self.memory["memory_weights_bytes"] / gib, self.memory["memory_weights_huge_page_bytes"] / gib,
+            self.memory["memory_kv_pool_bytes"] / gib,
             max(0, self.memory["memory_kv_resident_bytes"]) / gib, self.memory["memory_rss_bytes"] / gib,
         )
 
@@ -496,6 +498,7 @@ class LLMEngine:
             "spec_num_draft_tokens": self.speculator.num_draft_tokens if self.speculator else 0,
             "spec_num_accepted_tokens": self.speculator.num_accepted_tokens if self.speculator else 0,
             "memory_weights_bytes": self.memory["memory_weights_bytes"],
+            "memory_weights_huge_page_bytes": self.memory["memory_weights_huge_page_bytes"],
             "memory_kv_pool_bytes": self.memory["memory_kv_pool_bytes"],
             "memory_rss_bytes": rss_bytes(),
         }

@@ -9,6 +9,8 @@ import os
 import numpy as np
 import torch
 
+from sudu.engine.huge_pages import huge_page_bytes
+
 
 def rss_bytes() -> int:
     """This process's resident set (0 where /proc is missing)."""
@@ -74,6 +76,7 @@ def memory_report(engine) -> dict:
     on_cpu = all(t.device.type == "cpu" for t in pools)
     return {
         "memory_weights_bytes": weight_bytes(engine.runner.model),
+        "memory_weights_huge_page_bytes": huge_page_bytes(getattr(engine.runner.model, "huge_page_weights", None)),
         "memory_kv_pool_bytes": sum(_storages(pools).values()),
         "memory_kv_resident_bytes": resident_bytes(pools) if on_cpu else -1,
         "memory_rss_bytes": rss_bytes(),

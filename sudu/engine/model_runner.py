@@ -83,6 +83,7 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     quantized to the resolved format (on CUDA int8 / int4 only, quantized on the host before the move),
     projections that read the same input (q/k/v, gate/up) fused into one call each. Returns (network, weight
     format)."""
+    from sudu.engine.huge_pages import move_to_huge_pages
     from sudu.layers.linear import quantize_model, resolve_format
 
     check_supported(config)
@@ -123,6 +124,7 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
             module.fuse_projections()
     if device.type != "cpu":
         return move_network(model, device), fmt
+    model.huge_page_weights = move_to_huge_pages(model)[1]  # before anything below takes the weights' pointers
     if hasattr(model, "prepare_native_decode"):  # llama family: the one-call decode stack (kernels/decoder.cpp)
         model.prepare_native_decode()
     return model, fmt

@@ -30,6 +30,8 @@ class _EngineStatsCollector(Collector):
             ("sudu:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
             ("sudu:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0..1)."),
             ("sudu:memory_weights_bytes", "memory_weights_bytes", "Bytes of the model's weights as loaded."),
+            ("sudu:memory_weights_huge_page_bytes", "memory_weights_huge_page_bytes",
+             "Bytes of the weights that the OS backs with transparent huge pages."),
             ("sudu:memory_kv_pool_bytes", "memory_kv_pool_bytes",
              "Bytes of the KV pools as allocated (their pages are committed as they fill)."),
             ("sudu:memory_rss_bytes", "memory_rss_bytes", "Resident set of the engine's process."),

@@ -1,0 +1,135 @@
+"""Weights in huge pages (engine/huge_pages.py) against the same weights in ordinary 4 KiB pages, in one
+process: the engine loads its weights into huge pages, this script makes a second copy of every moved
+weight in ordinary memory, and the two copies take turns, generation by generation (the decode step's
+median per generation) and prompt by prompt (cold prompts). The first lines are the machine's ceiling:
+a 2-thread sum over 1 GiB in each kind of page.
+
+    flock /tmp/sudu-bench.lock python -m benchmarks.huge_pages [--model M] [--batch 1] [--rounds 6]
+                                                               [--tokens 128] [--prompt-words 400]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from sudu.bench.workloads import CHAT_CODE_PROMPTS
+from sudu.engine import huge_pages
+from sudu.engine.llm import LLM
+from sudu.sampling import SamplingParams
+
+
+def sum_gbs(t: torch.Tensor, repeats: int = 7) -> float:
+    t.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        t.sum()
+        times.append(time.perf_counter() - t0)
+    return t.numel() * t.element_size() / statistics.median(times) / 1e9
+
+
+def ceiling(page: int) -> str:
+    n = 1 << 30
+    plain = torch.ones(n // 4)
+    a = sum_gbs(plain)
+    del plain
+    huge = huge_pages.huge_page_buffer(n, page).view(torch.float32)
+    huge.fill_(1.0)
+    return f"1 GiB sum, 2 threads: 4 KiB pages {a:.1f} GB/s, huge pages {sum_gbs(huge):.1f} GB/s"
+
+
+def weight_slots(model: torch.nn.Module) -> list:
+    """(module, kind, name) of every parameter and buffer that lives in the huge-page mapping."""
+    arena = model.huge_page_weights
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    out = []
+    for module in model.modules():
+        for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for name, t in table.items():
+                if t is not None and lo <= t.data_ptr() < hi:
+                    out.append((module, kind, name))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per generation")
+    ap.add_argument("--prompt-words", type=int, default=400, help="words of each cold prompt (0: no prompt part)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    page = huge_pages.huge_page_size()
+    if page is None:
+        raise SystemExit("huge_pages: transparent huge pages are off or unknown here (nothing to compare)")
+    torch.set_num_threads(args.threads)
+    print(ceiling(page), flush=True)
+    llm = LLM(args.model, speculative="none", progress=False, num_threads=args.threads)
+    net = llm.engine.runner.model
+    if getattr(net, "huge_page_weights", None) is None:
+        raise SystemExit("huge_pages: the engine moved no weights into huge pages")
+    slots = weight_slots(net)
+    copies = {"huge": {}, "4K": {}}
+    for module, kind, name in slots:
+        t = getattr(module, name)
+        copies["huge"][(id(module), name)] = t.detach() if kind == "parameter" else t
+        copies["4K"][(id(module), name)] = t.detach().clone()
+    print(f"{args.model}: {len(slots)} weights, {huge_pages.huge_page_bytes(net.huge_page_weights) / 2**20:.0f} MiB "
+          f"of them in huge pages", flush=True)
+
+    def use(which: str) -> None:
+        for module, kind, name in slots:
+            t = copies[which][(id(module), name)]
+            if kind == "parameter":
+                getattr(module, name).data = t
+            else:
+                module._buffers[name] = t
+        if hasattr(net, "prepare_native_decode"):
+            net.prepare_native_decode()
+
+    eng, step = llm.engine, llm.engine.step
+    current, steps = ["huge"], {"huge": [], "4K": []}
+
+    def timed_step(*a, **kw):
+        t0 = time.perf_counter()
+        out = step(*a, **kw)
+        steps[current[0]].append(time.perf_counter() - t0)
+        return out
+
+    eng.step = timed_step
+    decode = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(["warm up"] * args.batch, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    vocab = " ".join(CHAT_CODE_PROMPTS).split()
+    rng = random.Random(1)
+    step_ms, prompt_ms = {"huge": [], "4K": []}, {"huge": [], "4K": []}
+    for r in range(args.rounds):
+        for which in ("huge", "4K") if r % 2 == 0 else ("4K", "huge"):
+            use(which)
+            current[0] = which
+            n0 = len(steps[which])
+            prompts = [f"Write a Python function number {r}-{i} that checks whether a string is a palindrome."
+                       for i in range(args.batch)]
+            llm.generate(prompts, decode)
+            step_ms[which].append(statistics.median(steps[which][n0 + 2:]) * 1e3)  # the prompt's step left out
+            if args.prompt_words:
+                cold = f"[{rng.random()}] " + " ".join(rng.choice(vocab) for _ in range(args.prompt_words))
+                t0 = time.perf_counter()
+                llm.generate([cold], SamplingParams(max_tokens=1, temperature=0.0))
+                prompt_ms[which].append((time.perf_counter() - t0) * 1e3)
+        print(f"round {r + 1}: decode step huge {step_ms['huge'][-1]:.2f} ms, 4K {step_ms['4K'][-1]:.2f} ms"
+              + (f"; cold prompt huge {prompt_ms['huge'][-1]:.0f} ms, 4K {prompt_ms['4K'][-1]:.0f} ms"
+                 if args.prompt_words else ""), flush=True)
+    ratio = lambda d: statistics.median(a / b for a, b in zip(d["huge"], d["4K"]))  # noqa: E731
+    print(f"\n{args.model}, batch {args.batch}: huge / 4K pages, median of per-round ratios: decode step "
+          f"{ratio(step_ms):.3f} ({statistics.median(step_ms['huge']):.2f} / {statistics.median(step_ms['4K']):.2f} ms)"
+          + (f", cold prompt {ratio(prompt_ms):.3f}" if args.prompt_words else ""))
+    print(ceiling(page))
+
+
+if __name__ == "__main__":
+    main()
