@@ -13,7 +13,10 @@ prompts' TTFT (one-token answers to ~500-token salted prompts), the check on the
 
     python benchmarks/llama_server.py --build          # once: llama-server with AVX-512, without AMX
     python benchmarks/vs_llama_server.py [--model qwen2.5-coder-0.5b-instruct] [--threads 2] [--out DIR]
-                                         [--parts runs,interleaved,prompt-pairs]
+                                         [--parts runs,interleaved,prompt-pairs] [--peer ik_llama.cpp]
+
+--peer ik_llama.cpp runs the same against ik_llama.cpp's llama-server (the fastest CPU fork) with its
+run-time repacking, -rtr (build it once with benchmarks/ik_llama.py).
 
 Reports of every run stay in --out (JSON, Markdown) for `sudu bench compare`.
 """
@@ -34,6 +37,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import independent_client  # noqa: E402
+import ik_llama  # noqa: E402
 import llama_server  # noqa: E402
 
 from sudu.bench import compare  # noqa: E402
@@ -58,8 +62,9 @@ def runs(args) -> list[tuple[str, list[str]]]:
 def start(name: str, cmd: list[str], port: int, log_dir: str) -> subprocess.Popen:
     log = os.path.join(log_dir, f"{name}-{port}.log")
     with open(log, "w") as f:
+        # the peers run in the log folder: ik_llama.cpp's server writes a llama.log where it runs
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, cwd=None if name == "sudu" else log_dir)
     ready = wait_for_health(proc, f"http://127.0.0.1:{port}", 900, log)
     print(f"{name} ready after {ready:.1f} s", flush=True)
     return proc
@@ -116,10 +121,10 @@ SHOWN = {
 THROUGHPUT = [("throughput_tok_s", "output tok/s (mean of 1-s bins)", 1), ("ttft_s", "TTFT ms (mean)", 1e3)]
 
 
-def table(sudu: dict, peer: dict) -> str:
-    lines = ["| run | figure | sudu serve | llama-server | sudu / llama-server, 95% CI |", "|---|---|---:|---:|---:|"]
+def table(sudu: dict, peer: dict, peer_name: str) -> str:
+    lines = [f"| run | figure | sudu serve | {peer_name} | sudu / {peer_name}, 95% CI |", "|---|---|---:|---:|---:|"]
     for name in (n for n in sudu if n != "independent"):
-        rows, _ = compare.compare(peer[name], sudu[name])  # A = llama-server, B = sudu: B/A = sudu / peer
+        rows, _ = compare.compare(peer[name], sudu[name])  # A = the peer, B = sudu: B/A = sudu / peer
         for metric, label, scale in SHOWN.get(name, THROUGHPUT):
             for r in (r for r in rows if r["metric"] == metric):
                 lines.append(f"| {name} | {r['group']}: {label} | {r['mean_b'] * scale:.1f} | "
@@ -152,8 +157,14 @@ def interleaved(urls: dict[str, str], model: str, n: int, max_tokens: int, settl
 
     speeds = alternating(urls, prompts, settle, speed)
     med = {side: statistics.median(v) for side, v in speeds.items()}
-    return (f"sudu {med['sudu']:.1f} tok/s, llama-server {med['llama-server']:.1f} tok/s; "
-            + paired_ratio(speeds["sudu"], speeds["llama-server"]))
+    peer = peer_of(urls)
+    return (f"sudu {med['sudu']:.1f} tok/s, {peer} {med[peer]:.1f} tok/s; "
+            + paired_ratio(speeds["sudu"], speeds[peer]))
+
+
+def peer_of(sides) -> str:
+    """The name of the side that is not sudu."""
+    return next(side for side in sides if side != "sudu")
 
 
 def alternating(urls: dict[str, str], prompts: list[str], settle: float, measure) -> dict[str, list]:
@@ -168,7 +179,7 @@ def alternating(urls: dict[str, str], prompts: list[str], settle: float, measure
 
 
 def paired_ratio(sudu: list[float], peer: list[float]) -> str:
-    """The median of the per-pair sudu / llama-server ratios with a bootstrap 95% CI, and their range."""
+    """The median of the per-pair sudu / peer ratios with a bootstrap 95% CI, and their range."""
     ratios = [a / b for a, b in zip(sudu, peer) if a == a and b == b]
     rng = random.Random(0)
     boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
@@ -192,10 +203,11 @@ def prompt_pairs(urls: dict[str, str], model: str, n: int, words: int, settle: f
     tokens = {side: [n for _, n in v] for side, v in got.items()}
     med = {side: statistics.median(v) for side, v in ttft.items()}
     speed = {side: statistics.median(t / s for t, s in zip(tokens[side], ttft[side]) if t) for side in urls}
-    return (f"prompts of {statistics.median(tokens['sudu'])} / {statistics.median(tokens['llama-server'])} tokens; "
-            f"TTFT sudu {1e3 * med['sudu']:.0f} ms ({speed['sudu']:.0f} tok/s), llama-server "
-            f"{1e3 * med['llama-server']:.0f} ms ({speed['llama-server']:.0f} tok/s); TTFT "
-            + paired_ratio(ttft["sudu"], ttft["llama-server"]))
+    peer = peer_of(urls)
+    return (f"prompts of {statistics.median(tokens['sudu'])} / {statistics.median(tokens[peer])} tokens; "
+            f"TTFT sudu {1e3 * med['sudu']:.0f} ms ({speed['sudu']:.0f} tok/s), {peer} "
+            f"{1e3 * med[peer]:.0f} ms ({speed[peer]:.0f} tok/s); TTFT "
+            + paired_ratio(ttft["sudu"], ttft[peer]))
 
 
 def main() -> None:
@@ -206,9 +218,12 @@ def main() -> None:
     parser.add_argument("--n-single", type=int, default=10, help="requests of single and of throughput c=1")
     parser.add_argument("--out", default="bench-results/vs-llama-server")
     parser.add_argument("--llama-dir", default=llama_server.DEFAULT_DIR)
+    parser.add_argument("--peer", choices=("llama-server", "ik_llama.cpp"), default="llama-server",
+                        help="the peer: llama.cpp's llama-server, or ik_llama.cpp's with its run-time repacking (-rtr)")
+    parser.add_argument("--ik-dir", default=ik_llama.DEFAULT_DIR, help="where ik_llama.cpp was built (benchmarks/ik_llama.py)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="sudu's KV pool format (auto: the engine's choice)")
     parser.add_argument("--peer-first", action="store_true",
-                        help="measure llama-server first (run both orders: the VM's speed drifts over minutes)")
+                        help="measure the peer first (run both orders: the VM's speed drifts over minutes)")
     parser.add_argument("--parts", default="runs,interleaved,prompt-pairs")
     parser.add_argument("--n-interleaved", type=int, default=20, help="prompts sent to both servers, alternating")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds between the interleaved requests")
@@ -216,7 +231,9 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=400, help="words per prompt-pairs prompt (~500 tokens)")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    binary = llama_server.require(args.llama_dir)
+    peer = args.peer
+    binary, peer_flags = ((ik_llama.require(args.ik_dir), ["-rtr"]) if peer == "ik_llama.cpp"
+                          else (llama_server.require(args.llama_dir), []))
     from sudu.weights.catalog import resolve_model_path
 
     gguf = str(resolve_model_path(args.model))
@@ -224,12 +241,12 @@ def main() -> None:
     results, memory = {}, {}
     kv_bytes, kv_dtype = kv_memory_for(args.model, SLOTS * 1024, args.kv_cache_dtype)
     print(f"sudu's KV pool: {kv_dtype} ({args.kv_cache_dtype}), {kv_bytes / 2**20:.0f} MiB for {SLOTS} x 1,024 tokens; "
-          "llama-server's: float16 (its default)", flush=True)
+          f"{peer}'s: float16 (its default)", flush=True)
     sides = {
         "sudu": lambda port: [sys.executable, "-m", "sudu.cli", "serve", "--model", args.model, "--port", str(port),
                               "--num-threads", str(args.threads), "--max-num-seqs", str(SLOTS),
                               "--kv-cache-memory", str(kv_bytes), "--kv-cache-dtype", kv_dtype],
-        "llama-server": lambda port: [binary, "-m", gguf, "--alias", args.model, "--port", str(port), "--host",
+        peer: lambda port: [binary, *peer_flags, "-m", gguf, "--alias", args.model, "--port", str(port), "--host",
                                       "127.0.0.1", "-t", str(args.threads), "-np", str(SLOTS), "-c",
                                       # llama-server splits -c over its slots: 1,024 tokens each holds the cache
                                       # suite's 512-token prompts with their chat template and answer
@@ -255,7 +272,7 @@ def main() -> None:
     if "runs" not in parts:
         paired_checks()
         return
-    for side in (("llama-server", "sudu") if args.peer_first else ("sudu", "llama-server")):
+    for side in ((peer, "sudu") if args.peer_first else ("sudu", peer)):
         command = sides[side]
         port = free_port()
         proc = start(side, command(port), port, args.out)
@@ -271,12 +288,12 @@ def main() -> None:
         json.dump({"independent": {s: results[s]["independent"] for s in results}}, f)
     print(f"\n{args.model}, {args.threads} threads, {SLOTS} slots each, cold prompts, --ignore-eos, "
           f"max_tokens {args.max_tokens}\n")
-    print(table(results["sudu"], results["llama-server"]))
+    print(table(results["sudu"], results[peer], peer))
     print("\n| resident set, MiB | after loading | after the runs (32 streams incl.) | peak |\n|---|---:|---:|---:|")
     for side in sides:
         print(f"| {side} | {memory[side][0]:.0f} | {memory[side][1]:.0f} | {memory[side][2]:.0f} |")
-    s, p = memory["sudu"], memory["llama-server"]
-    print(f"| sudu / llama-server | {s[0] / p[0]:.2f}x | {s[1] / p[1]:.2f}x | {s[2] / p[2]:.2f}x |")
+    s, p = memory["sudu"], memory[peer]
+    print(f"| sudu / {peer} | {s[0] / p[0]:.2f}x | {s[1] / p[1]:.2f}x | {s[2] / p[2]:.2f}x |")
     print("\nmeasuring client vs an independent minimal client (per-request decode speed, median):")
     for side in sides:
         print(f"  {side}: {client_check(results[side])}")
