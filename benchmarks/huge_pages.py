@@ -1,7 +1,7 @@
 """Weights in huge pages (engine/huge_pages.py) against the same weights in ordinary 4 KiB pages, in one
 process: the engine loads its weights into huge pages, this script makes a second copy of every moved
-weight in ordinary memory, and the two copies take turns, generation by generation (the decode step's
-median per generation) and prompt by prompt (cold prompts). The first lines are the machine's ceiling:
+weight in ordinary memory, and the two copies take turns, step by step for decode (speculation off, so a
+step is one token per sequence) and prompt by prompt for cold prompts. The first lines are the machine's ceiling:
 a 2-thread sum over 1 GiB in each kind of page.
 
     flock /tmp/sudu-bench.lock python -m benchmarks.huge_pages [--model M] [--batch 1] [--rounds 6]
@@ -93,41 +93,52 @@ def main() -> None:
             net.prepare_native_decode()
 
     eng, step = llm.engine, llm.engine.step
-    current, steps = ["huge"], {"huge": [], "4K": []}
+    turn, steps = [0], {"huge": [], "4K": []}
 
-    def timed_step(*a, **kw):
+    def alternating_step(*a, **kw):
+        """Each step on the other copy: step-by-step pairs, which the VM's drift over seconds does not move."""
+        which = ("huge", "4K")[turn[0] % 2]
+        turn[0] += 1
+        use(which)
         t0 = time.perf_counter()
         out = step(*a, **kw)
-        steps[current[0]].append(time.perf_counter() - t0)
+        steps[which].append(time.perf_counter() - t0)
         return out
 
-    eng.step = timed_step
     decode = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     llm.generate(["warm up"] * args.batch, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     vocab = " ".join(CHAT_CODE_PROMPTS).split()
     rng = random.Random(1)
-    step_ms, prompt_ms = {"huge": [], "4K": []}, {"huge": [], "4K": []}
+    step_ratio, step_ms, prompt_ms = [], {"huge": [], "4K": []}, {"huge": [], "4K": []}
     for r in range(args.rounds):
-        for which in ("huge", "4K") if r % 2 == 0 else ("4K", "huge"):
-            use(which)
-            current[0] = which
-            n0 = len(steps[which])
-            prompts = [f"Write a Python function number {r}-{i} that checks whether a string is a palindrome."
-                       for i in range(args.batch)]
-            llm.generate(prompts, decode)
-            step_ms[which].append(statistics.median(steps[which][n0 + 2:]) * 1e3)  # the prompt's step left out
-            if args.prompt_words:
+        eng.step = alternating_step
+        turn[0] = 0
+        for v in steps.values():
+            v.clear()
+        prompts = [f"Write a Python function number {r}-{i} that checks whether a string is a palindrome."
+                   for i in range(args.batch)]
+        llm.generate(prompts, decode)
+        eng.step = step
+        pairs = list(zip(steps["huge"][1:], steps["4K"][1:]))  # the prompt's step (the first) left out
+        step_ratio.append(statistics.median(h / p for h, p in pairs))
+        for which, i in (("huge", 0), ("4K", 1)):
+            step_ms[which].append(statistics.median(p[i] for p in pairs) * 1e3)
+        line = (f"round {r + 1}: decode step huge {step_ms['huge'][-1]:.2f} ms, 4K {step_ms['4K'][-1]:.2f} ms "
+                f"(step pairs' median ratio {step_ratio[-1]:.3f})")
+        if args.prompt_words:  # cold prompts, each copy in turn
+            for which in ("huge", "4K") if r % 2 == 0 else ("4K", "huge"):
+                use(which)
                 cold = f"[{rng.random()}] " + " ".join(rng.choice(vocab) for _ in range(args.prompt_words))
                 t0 = time.perf_counter()
                 llm.generate([cold], SamplingParams(max_tokens=1, temperature=0.0))
                 prompt_ms[which].append((time.perf_counter() - t0) * 1e3)
-        print(f"round {r + 1}: decode step huge {step_ms['huge'][-1]:.2f} ms, 4K {step_ms['4K'][-1]:.2f} ms"
-              + (f"; cold prompt huge {prompt_ms['huge'][-1]:.0f} ms, 4K {prompt_ms['4K'][-1]:.0f} ms"
-                 if args.prompt_words else ""), flush=True)
+            line += f"; cold prompt huge {prompt_ms['huge'][-1]:.0f} ms, 4K {prompt_ms['4K'][-1]:.0f} ms"
+        print(line, flush=True)
     ratio = lambda d: statistics.median(a / b for a, b in zip(d["huge"], d["4K"]))  # noqa: E731
-    print(f"\n{args.model}, batch {args.batch}: huge / 4K pages, median of per-round ratios: decode step "
-          f"{ratio(step_ms):.3f} ({statistics.median(step_ms['huge']):.2f} / {statistics.median(step_ms['4K']):.2f} ms)"
-          + (f", cold prompt {ratio(prompt_ms):.3f}" if args.prompt_words else ""))
+    print(f"\n{args.model}, batch {args.batch}: huge / 4K pages: decode step {statistics.median(step_ratio):.3f} "
+          f"(median over rounds of the step pairs' median ratio; {statistics.median(step_ms['huge']):.2f} / "
+          f"{statistics.median(step_ms['4K']):.2f} ms)"
+          + (f", cold prompt {ratio(prompt_ms):.3f} (median of per-round ratios)" if args.prompt_words else ""))
     print(ceiling(page))
 
 

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 MIN_BYTES = 64 << 10  # smaller storages (norms, biases) stay where they are: a few lines each, in cache
 ALIGN = 4096
+TRIM_BYTES = 64 << 20
 
 
 def huge_page_size() -> int | None:
@@ -72,6 +73,8 @@ def _holders(model: torch.nn.Module, min_bytes: int) -> dict[int, tuple[torch.Un
 def move_to_huge_pages(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> tuple[int, torch.Tensor | None]:
     """Move the network's large CPU storages into one huge-page mapping. Returns (bytes moved, the mapping's
     tensor, or None where nothing moved)."""
+    from sudu.engine.memory import release_freed_memory
+
     page = huge_page_size()
     if page is None:
         return 0, None
@@ -79,24 +82,36 @@ def move_to_huge_pages(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> tu
     if not groups:
         return 0, None
     offsets, total = {}, 0
-    for ptr, (storage, _) in groups.items():
+    for ptr, group in groups.items():
         offsets[ptr] = total
-        total += -(-storage.nbytes() // ALIGN) * ALIGN
+        total += -(-group[0].nbytes() // ALIGN) * ALIGN
+    del group  # no reference to a storage outlives its move
     arena = huge_page_buffer(total, page)
-    with torch.no_grad():
-        for ptr in list(groups):
-            storage, holders = groups.pop(ptr)
-            base, nbytes = offsets[ptr], storage.nbytes()
-            arena[base:base + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)))
-            for module, kind, name, t, (dtype, offset, size, stride) in holders:
-                start = (arena.storage_offset() + base) // dtype.itemsize + offset
-                moved = torch.empty(0, dtype=dtype).set_(arena.untyped_storage(), start, size, stride)
-                if kind == "parameter":
-                    t.data = moved  # the Parameter object stays, so whatever shares it sees the move
-                else:
-                    module._buffers[name] = moved
-            del storage, holders  # the old storage is freed here unless something outside the network holds it
+    freed = 0
+    for ptr in list(groups):
+        freed += _move(groups.pop(ptr), arena, offsets[ptr])
+        if freed >= TRIM_BYTES:  # freed heap stays resident until trimmed: trim as we go, or loading peaks higher
+            release_freed_memory()
+            freed = 0
+    release_freed_memory()
     return total, arena
+
+
+def _move(group: tuple[torch.UntypedStorage, list], arena: torch.Tensor, base: int) -> int:
+    """Copy one storage to arena[base:] and point its holders there; returns its size. Its last references
+    go with this frame, so it is freed on return unless something outside the network holds it."""
+    storage, holders = group
+    nbytes = storage.nbytes()
+    with torch.no_grad():
+        arena[base:base + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)))
+        for module, kind, name, t, (dtype, offset, size, stride) in holders:
+            start = (arena.storage_offset() + base) // dtype.itemsize + offset
+            moved = torch.empty(0, dtype=dtype).set_(arena.untyped_storage(), start, size, stride)
+            if kind == "parameter":
+                t.data = moved  # the Parameter object stays, so whatever shares it sees the move
+            else:
+                module._buffers[name] = moved
+    return nbytes
 
 
 def huge_page_bytes(buffer: torch.Tensor | None) -> int:

@@ -124,6 +124,7 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
             module.fuse_projections()
     if device.type != "cpu":
         return move_network(model, device), fmt
+    ckpt.release_pages()  # the repacked file's pages out of the resident set before the weights' copy
     model.huge_page_weights = move_to_huge_pages(model)[1]  # before anything below takes the weights' pointers
     if hasattr(model, "prepare_native_decode"):  # llama family: the one-call decode stack (kernels/decoder.cpp)
         model.prepare_native_decode()
