@@ -63,9 +63,9 @@ inline __m256i shift256(__m256i v) {
   else return v;
 }
 
-// The prefetches of one stretch of the weight stream [at, at + n), PREFETCH_BYTES ahead.
+// The prefetches of one stretch of the weight stream [at, at + n), GGUF_PREFETCH_BYTES ahead.
 inline void prefetch_ahead(const uint8_t* at, int64_t n) {
-  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o + PREFETCH_BYTES), PREFETCH_HINT);
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o + GGUF_PREFETCH_BYTES), PREFETCH_HINT);
 }
 
 // Four activation codes of row i from column col (q8_0 or q8_K: Acts).
@@ -175,7 +175,7 @@ SUDU_VNNI void dot_vnni(const uint8_t* p, int64_t count, const Acts& a, const fl
   constexpr int64_t BB = block_bytes(F), GB = group_bytes(F);
   const int64_t nb = a.nb, ng = nb / G, K = a.K;
   const int8_t* xq = F == Q5_0 ? a.xq : a.kq;
-  if (count > 1) prefetch_start(p);
+  if (count > 1) prefetch_start(p, GGUF_PREFETCH_BYTES);
   for (int64_t t = 0; t < count; ++t) {
     const uint8_t* tp = p + t * ng * GB;
     __m512 acc[R];
