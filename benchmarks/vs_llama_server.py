@@ -42,6 +42,7 @@ import llama_server  # noqa: E402
 
 from sudu.bench import compare  # noqa: E402
 from sudu.bench.local_server import free_port, stop_server, wait_for_health  # noqa: E402
+from sudu.errors import SuduError  # noqa: E402
 from sudu.bench.workloads import CHAT_CODE_PROMPTS  # noqa: E402
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -122,16 +123,27 @@ THROUGHPUT = [("throughput_tok_s", "output tok/s (mean of 1-s bins)", 1), ("ttft
 
 
 def table(sudu: dict, peer: dict, peer_name: str) -> str:
+    """The runs' figures side by side. A run whose two reports differ in the work done (sudu bench compare
+    refuses them: say a server that did not serve a warm prompt from its cache) is still shown, marked, with
+    what differed below the table."""
     lines = [f"| run | figure | sudu serve | {peer_name} | sudu / {peer_name}, 95% CI |", "|---|---|---:|---:|---:|"]
+    unlike = []
     for name in (n for n in sudu if n != "independent"):
-        rows, _ = compare.compare(peer[name], sudu[name])  # A = the peer, B = sudu: B/A = sudu / peer
+        try:
+            rows, _ = compare.compare(peer[name], sudu[name])  # A = the peer, B = sudu: B/A = sudu / peer
+        except SuduError:
+            rows, diffs = compare.compare(peer[name], sudu[name], force=True)
+            unlike.append(f"- {name} (marked *): " + "; ".join(diffs))
+        shown = name + (" *" if unlike and unlike[-1].startswith(f"- {name} ") else "")
         for metric, label, scale in SHOWN.get(name, THROUGHPUT):
             for r in (r for r in rows if r["metric"] == metric):
-                lines.append(f"| {name} | {r['group']}: {label} | {r['mean_b'] * scale:.1f} | "
+                lines.append(f"| {shown} | {r['group']}: {label} | {r['mean_b'] * scale:.1f} | "
                              f"{r['mean_a'] * scale:.1f} | {fmt_ratio(r)} |")
         if name.startswith("throughput"):
             s, p = (rep[name]["groups"][0]["throughput"]["mean_tok_s"] for rep in (sudu, peer))
             lines.append(f"| {name} | output tok/s (tokens / window) | {s:.1f} | {p:.1f} | {s / p:.2f}x |")
+    if unlike:
+        lines += ["", "Not like for like (A: the peer, B: sudu):", *unlike]
     return "\n".join(lines)
 
 
