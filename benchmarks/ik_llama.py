@@ -18,15 +18,16 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from llama_server import first_executable  # noqa: E402
+
 DEFAULT_DIR = os.environ.get("IK_LLAMA_BUILD_DIR", "/work/ik-build")
 FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON"]
 
 
 def locate(build_dir: str = DEFAULT_DIR) -> str | None:
-    for candidate in (os.environ.get("IK_LLAMA_SERVER"), os.path.join(build_dir, "src", "build", "bin", "llama-server")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
+    return first_executable(os.environ.get("IK_LLAMA_SERVER"), os.path.join(build_dir, "src", "build", "bin", "llama-server"))
 
 
 def require(build_dir: str = DEFAULT_DIR) -> str:

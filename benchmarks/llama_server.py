@@ -31,13 +31,15 @@ def cmake_flags(cpu_flags: frozenset[str]) -> list[str]:
             f"-DGGML_AVX512_BF16={on('avx512_bf16')}", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"]
 
 
+def first_executable(*candidates: str | None) -> str | None:
+    """The first of these paths that is an executable file (None entries skipped)."""
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
 def locate(build_dir: str = DEFAULT_DIR) -> str | None:
-    for candidate in (os.environ.get("LLAMA_SERVER"),
-                      os.path.join(build_dir, "llama.cpp", "build", "bin", "llama-server"),
-                      shutil.which("llama-server")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
+    return first_executable(os.environ.get("LLAMA_SERVER"),
+                            os.path.join(build_dir, "llama.cpp", "build", "bin", "llama-server"),
+                            shutil.which("llama-server"))
 
 
 def require(build_dir: str = DEFAULT_DIR) -> str:
