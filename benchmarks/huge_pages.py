@@ -19,40 +19,19 @@ import torch
 from sudu.bench.workloads import CHAT_CODE_PROMPTS
 from sudu.engine import huge_pages
 from sudu.engine.llm import LLM
+from sudu.roofline import measure_bandwidth_gbs
 from sudu.sampling import SamplingParams
 
 
-def sum_gbs(t: torch.Tensor, repeats: int = 7) -> float:
-    t.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        t.sum()
-        times.append(time.perf_counter() - t0)
-    return t.numel() * t.element_size() / statistics.median(times) / 1e9
-
-
-def ceiling(page: int) -> str:
-    n = 1 << 30
-    plain = torch.ones(n // 4)
-    a = sum_gbs(plain)
-    del plain
-    huge = huge_pages.huge_page_buffer(n, page).view(torch.float32)
-    huge.fill_(1.0)
-    return f"1 GiB sum, 2 threads: 4 KiB pages {a:.1f} GB/s, huge pages {sum_gbs(huge):.1f} GB/s"
+def ceiling(threads: int) -> str:
+    plain, huge = (measure_bandwidth_gbs(threads=threads, huge_pages=h) for h in (False, True))
+    return f"1 GiB sum, {threads} threads: 4 KiB pages {plain:.1f} GB/s, huge pages {huge:.1f} GB/s"
 
 
 def weight_slots(model: torch.nn.Module) -> list:
     """(module, kind, name) of every parameter and buffer that lives in the huge-page mapping."""
-    arena = model.huge_page_weights
-    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
-    out = []
-    for module in model.modules():
-        for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
-            for name, t in table.items():
-                if t is not None and lo <= t.data_ptr() < hi:
-                    out.append((module, kind, name))
-    return out
+    holders = huge_pages.storage_holders(model, 0)[model.huge_page_weights.untyped_storage().data_ptr()][1]
+    return [(module, kind, name) for module, kind, name, _, _ in holders]
 
 
 def main() -> None:
@@ -64,11 +43,10 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=400, help="words of each cold prompt (0: no prompt part)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    page = huge_pages.huge_page_size()
-    if page is None:
+    if huge_pages.huge_page_size() is None:
         raise SystemExit("huge_pages: transparent huge pages are off or unknown here (nothing to compare)")
     torch.set_num_threads(args.threads)
-    print(ceiling(page), flush=True)
+    print(ceiling(args.threads), flush=True)
     llm = LLM(args.model, speculative="none", progress=False, num_threads=args.threads)
     net = llm.engine.runner.model
     if getattr(net, "huge_page_weights", None) is None:
@@ -84,11 +62,7 @@ def main() -> None:
 
     def use(which: str) -> None:
         for module, kind, name in slots:
-            t = copies[which][(id(module), name)]
-            if kind == "parameter":
-                getattr(module, name).data = t
-            else:
-                module._buffers[name] = t
+            huge_pages.point_at(module, kind, name, copies[which][(id(module), name)])
         if hasattr(net, "prepare_native_decode"):
             net.prepare_native_decode()
 
@@ -139,7 +113,7 @@ def main() -> None:
           f"(median over rounds of the step pairs' median ratio; {statistics.median(step_ms['huge']):.2f} / "
           f"{statistics.median(step_ms['4K']):.2f} ms)"
           + (f", cold prompt {ratio(prompt_ms):.3f} (median of per-round ratios)" if args.prompt_words else ""))
-    print(ceiling(page))
+    print(ceiling(args.threads))
 
 
 if __name__ == "__main__":

@@ -129,12 +129,13 @@ def table(sudu: dict, peer: dict, peer_name: str) -> str:
     lines = [f"| run | figure | sudu serve | {peer_name} | sudu / {peer_name}, 95% CI |", "|---|---|---:|---:|---:|"]
     unlike = []
     for name in (n for n in sudu if n != "independent"):
+        shown = name
         try:
             rows, _ = compare.compare(peer[name], sudu[name])  # A = the peer, B = sudu: B/A = sudu / peer
         except SuduError:
             rows, diffs = compare.compare(peer[name], sudu[name], force=True)
             unlike.append(f"- {name} (marked *): " + "; ".join(diffs))
-        shown = name + (" *" if unlike and unlike[-1].startswith(f"- {name} ") else "")
+            shown = name + " *"
         for metric, label, scale in SHOWN.get(name, THROUGHPUT):
             for r in (r for r in rows if r["metric"] == metric):
                 lines.append(f"| {shown} | {r['group']}: {label} | {r['mean_b'] * scale:.1f} | "

@@ -33,16 +33,17 @@ FORMATS = {
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
 
 
-def measure_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 7, threads: int = 2) -> float:
-    """Read bandwidth in GB/s: median over `repeats` timed sums of a `size_bytes` float32 tensor, held in
-    the kind of pages the engine keeps its weights in (huge pages where the OS gives them:
-    engine/huge_pages.py), since that is the ceiling the weights' stream has."""
+def measure_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 7, threads: int = 2,
+                          huge_pages: bool = True) -> float:
+    """Read bandwidth in GB/s: median over `repeats` timed sums of a `size_bytes` float32 tensor, by default
+    held in the kind of pages the engine keeps its weights in (huge pages where the OS gives them:
+    engine/huge_pages.py), since that is the ceiling the weights' stream has; huge_pages=False: 4 KiB pages."""
     from sudu.engine.huge_pages import huge_page_buffer, huge_page_size
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        page = huge_page_size()
+        page = huge_page_size() if huge_pages else None
         t = torch.ones(size_bytes // 4) if page is None else huge_page_buffer(size_bytes, page).view(torch.float32).fill_(1.0)
         t.sum()  # fault the pages in before timing
         times = []

@@ -14,13 +14,10 @@ Where THP is off (`never`), missing, or the OS is not Linux, nothing moves.
 """
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 
 import torch
-
-log = logging.getLogger(__name__)
 
 THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 MIN_BYTES = 64 << 10  # smaller storages (norms, biases) stay where they are: a few lines each, in cache
@@ -52,7 +49,7 @@ def huge_page_buffer(nbytes: int, page: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
-def _holders(model: torch.nn.Module, min_bytes: int) -> dict[int, tuple[torch.UntypedStorage, list]]:
+def storage_holders(model: torch.nn.Module, min_bytes: int) -> dict[int, tuple[torch.UntypedStorage, list]]:
     """storage data_ptr -> (storage, [(module, kind, name, tensor, its view's geometry)]) for the CPU
     parameters and buffers whose storage holds at least min_bytes."""
     out: dict[int, tuple[torch.UntypedStorage, list]] = {}
@@ -78,7 +75,7 @@ def move_to_huge_pages(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> tu
     page = huge_page_size()
     if page is None:
         return 0, None
-    groups = _holders(model, min_bytes)
+    groups = storage_holders(model, min_bytes)
     if not groups:
         return 0, None
     offsets, total = {}, 0
@@ -106,12 +103,17 @@ def _move(group: tuple[torch.UntypedStorage, list], arena: torch.Tensor, base: i
         arena[base:base + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)))
         for module, kind, name, t, (dtype, offset, size, stride) in holders:
             start = (arena.storage_offset() + base) // dtype.itemsize + offset
-            moved = torch.empty(0, dtype=dtype).set_(arena.untyped_storage(), start, size, stride)
-            if kind == "parameter":
-                t.data = moved  # the Parameter object stays, so whatever shares it sees the move
-            else:
-                module._buffers[name] = moved
+            point_at(module, kind, name, torch.empty(0, dtype=dtype).set_(arena.untyped_storage(), start, size, stride))
     return nbytes
+
+
+def point_at(module: torch.nn.Module, kind: str, name: str, tensor: torch.Tensor) -> None:
+    """Make a module's parameter or buffer `name` hold `tensor`. A parameter keeps its Parameter object (its
+    .data changes), so whatever shares that Parameter, a tied head say, sees the change too."""
+    if kind == "parameter":
+        module._parameters[name].data = tensor
+    else:
+        module._buffers[name] = tensor
 
 
 def huge_page_bytes(buffer: torch.Tensor | None) -> int:
