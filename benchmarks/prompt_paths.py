@@ -9,7 +9,7 @@ setting.
 A setting is NAME:UNPACK:BYPASS:BLOCK_MIB:
   UNPACK     rows from which a GGUF tile's codes are assembled once per call (kernels set_unpack_rows; VNNI)
   BYPASS     rows from which a call's outputs are written past the caches (kernels set_bypass_rows; VNNI)
-  BLOCK_MIB  the MLP's row blocks, MiB of float32 gate/up output per block (layers/mlp.py BLOCK_BYTES; 0: none)
+  BLOCK_MIB  the MLP's row blocks, MiB of its float32 intermediate per block (layers/mlp.py BLOCK_BYTES; 0: none)
 `off` for UNPACK or BYPASS: never. The switches change where values are computed and stored, never the
 values (tests/test_gguf_native.py, tests/test_linear.py).
 

@@ -1,12 +1,15 @@
-"""How qlinear's threads split a call's tiles, both ways in one process: each thread streaming a contiguous
-share (taking chunks from the back of the others' when done) against chunks from one shared counter in
-turn (kernels set_contiguous_shares). Decode steps alternate the split step by step, so the VM's drift
-reaches both alike; cold prompts alternate prompt by prompt (the order reversed every round). Prints the
-median step (or prompt) time per split and the ratio of the medians. Both splits compute the same values
-(tests/test_linear.py).
+"""Two ways the kernels can run a call, both in one process, switched step by step for decode and prompt
+by prompt for cold prompts, so the VM's drift reaches both alike (the order reversed every round). Prints
+the median step (or prompt) time per way and the ratio of the medians. Both ways compute the same values
+(tests/test_linear.py). --switch picks the two:
+- shares (default): how qlinear's threads split a call's tiles, each thread streaming a contiguous share
+  (taking chunks from the back of the others' when done) against chunks from one shared counter in turn
+  (kernels set_contiguous_shares);
+- fused-silu: silu(gate) * up inside the gate_up call (qlinear_silu) against a silu_mul pass after it
+  (kernels set_fused_silu).
 
-    flock /tmp/sudu-bench.lock python -m benchmarks.work_split [--model M] [--batch 1,8] [--tokens 590] \\
-        [--steps 400] [--rounds 6]
+    flock /tmp/sudu-bench.lock python -m benchmarks.work_split [--switch shares|fused-silu] [--model M] \\
+        [--batch 1,8] [--tokens 590] [--steps 400] [--rounds 6]
 """
 from __future__ import annotations
 
@@ -24,17 +27,21 @@ from sudu import kernels
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
 
-SPLITS = ("contiguous shares", "shared counter")
+# --switch: (its two ways, the first being the default; the kernels' setter taking whether the first is on)
+SWITCHES = {
+    "shares": (("contiguous shares", "shared counter"), "set_contiguous_shares"),
+    "fused-silu": (("silu in gate_up", "silu_mul after"), "set_fused_silu"),
+}
 
 
-def decode_steps(llm: LLM, ext, batch: int, steps: int) -> dict[str, list[float]]:
-    """Seconds per engine step of `batch` greedy streams, the split switched before every step."""
-    times: dict[str, list[float]] = {s: [] for s in SPLITS}
-    step, turn = llm.engine.step, itertools.cycle(SPLITS)
+def decode_steps(llm: LLM, ways: tuple[str, str], use, batch: int, steps: int) -> dict[str, list[float]]:
+    """Seconds per engine step of `batch` greedy streams, use(way) before every step, in turn."""
+    times: dict[str, list[float]] = {s: [] for s in ways}
+    step, turn = llm.engine.step, itertools.cycle(ways)
 
     def alternating():
         split = next(turn)
-        ext.set_contiguous_shares(split == SPLITS[0])
+        use(split)
         start = time.perf_counter()
         out = step()
         times[split].append(time.perf_counter() - start)
@@ -47,18 +54,20 @@ def decode_steps(llm: LLM, ext, batch: int, steps: int) -> dict[str, list[float]
         llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
     finally:
         llm.engine.step = step
-    times[SPLITS[0]].pop(0)  # the prompt's step, the first
+    times[ways[0]].pop(0)  # the prompt's step, the first
     return times
 
 
 def ratio_line(label: str, times: dict[str, list[float]], unit: float, name: str) -> str:
     med = {s: statistics.median(v) for s, v in times.items()}
+    first, second = list(med)
     return (f"  {label}: " + "; ".join(f"{s} {unit * m:.2f} {name}" for s, m in med.items())
-            + f"; contiguous / counter {med[SPLITS[0]] / med[SPLITS[1]]:.3f}")
+            + f"; {first} / {second} {med[first] / med[second]:.3f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--switch", choices=sorted(SWITCHES), default="shares")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--batch", default="1,8", help="decode batch sizes ('' for none)")
     p.add_argument("--steps", type=int, default=400, help="decode steps per batch size")
@@ -79,20 +88,25 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, speculative="none", progress=False, enable_prefix_caching=False, num_threads=args.threads)
     llm.generate(["warm up"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    before = ext.set_contiguous_shares(True)
+    ways, setter = SWITCHES[args.switch]
+    setter = getattr(ext, setter)
+    before = setter(True)
+
+    def use(way: str) -> None:
+        setter(way == ways[0])
+
     print(f"{args.model}, {args.threads} threads, kernels {ext.isa()}", flush=True)
     try:
         for batch in batches:
-            times = decode_steps(llm, ext, batch, args.steps)
-            print(ratio_line(f"decode batch {batch}, median step of {len(times[SPLITS[0]])}", times, 1e3, "ms"),
+            times = decode_steps(llm, ways, use, batch, args.steps)
+            print(ratio_line(f"decode batch {batch}, median step of {len(times[ways[0]])}", times, 1e3, "ms"),
                   flush=True)
         rng = random.Random(0)
         for n in lengths:
-            times = cold_prompts_in_turn(llm, rng, n, list(SPLITS), args.rounds,
-                                         lambda split: ext.set_contiguous_shares(split == SPLITS[0]))
+            times = cold_prompts_in_turn(llm, rng, n, list(ways), args.rounds, use)
             print(ratio_line(f"cold {n}-token prompt, median of {args.rounds}", times, 1e3, "ms"), flush=True)
     finally:
-        ext.set_contiguous_shares(before)
+        setter(before)
 
 
 if __name__ == "__main__":

@@ -291,7 +291,8 @@ def test_mlp_bfloat16_chunks_give_the_float32_routes_values(monkeypatch):
 
 def test_a_long_prompts_mlp_in_row_blocks_gives_the_same_rows(monkeypatch):
     """A prompt chunk's MLP in row blocks (mlp.BLOCK_BYTES: 183 rows as 64 + 64 + 55 here): bit for bit
-    the rows of one call, and every block goes through the native route (fused gate_up, silu_mul)."""
+    the rows of one call, and every block goes through the native route (fused gate_up with silu * up in the
+    same call: qlinear_silu)."""
     from sudu.layers import mlp as mlp_module
 
     ext = kernels.load()
@@ -307,9 +308,10 @@ def test_a_long_prompts_mlp_in_row_blocks_gives_the_same_rows(monkeypatch):
     x = torch.randn(183, 96, generator=g)
     whole = mlp(x)
     calls = []
-    gate_up = mlp.gate_up_proj.forward
-    monkeypatch.setattr(mlp.gate_up_proj, "forward", lambda v: calls.append(v.shape[0]) or gate_up(v))
-    monkeypatch.setattr(mlp_module, "BLOCK_BYTES", 4 * 320 * 64)  # 64 rows of gate_up output
+    real = ext.qlinear_silu
+    monkeypatch.setattr(mlp.gate_up_proj._ext, "qlinear_silu", lambda v, *a: calls.append(v.shape[0]) or real(v, *a),
+                        raising=False)
+    monkeypatch.setattr(mlp_module, "BLOCK_BYTES", 4 * 160 * 64)  # 64 rows of the fused call's output
     assert torch.equal(mlp(x), whole)
     assert calls == [64, 64, 55]
 

@@ -8,6 +8,10 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x @ dequant(W)^T + bias, W as packed tiles",
         py::call_guard<py::gil_scoped_release>());
+  m.def("qlinear_silu", &qlinear_silu, "silu(x @ gate^T + b) * (x @ up^T + b) from fused gate | up tiles",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("weight_tiles", &weight_tiles, "tiles of 16 rows in packed weights");
+  m.def("set_fused_silu", &set_fused_silu, "whether qlinear_silu applies silu * up inside the call; returns the old value");
   m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [16 * tiles, K], tiles [t0, t1)",
         py::call_guard<py::gil_scoped_release>(),
         py::arg("q"), py::arg("bf16") = false, py::arg("t0") = 0, py::arg("t1") = -1);

@@ -101,8 +101,14 @@ torch::Tensor cache_and_attend(const torch::Tensor& q, const torch::Tensor& k, c
 
 }  // namespace
 
-// One gated MLP (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x, as GatedMLP.forward.
+// One gated MLP (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x, as GatedMLP.forward:
+// silu(gate) * up in the gate_up call itself where gate and up are whole tiles each (qlinear_silu).
 torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at) {
+  if (weight_tiles(w[at]) % 2 == 0) {
+    const torch::Tensor& bias = w[at + 1];
+    return linear(qlinear_silu(x, w[at], bias.defined() && bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt),
+                  w, at + 2);
+  }
   return linear(silu_mul(linear(x, w, at)), w, at + 2);
 }
 

@@ -8,6 +8,11 @@
 #include <vector>
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
+// silu(gate) * up from a fused gate | up weight q (2I / 16 tiles): silu_mul(qlinear(x, q, bias)) in one call.
+torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
+int64_t weight_tiles(torch::Tensor q);
+// Whether qlinear_silu fuses (else qlinear then silu_mul, the same values); returns the previous setting.
+bool set_fused_silu(bool on);
 // One row's product with packed tiles q: y [16 * tiles] = qlinear(x [1, K], q, bias), written in place.
 struct QProduct {
   const float* x;

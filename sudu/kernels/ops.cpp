@@ -76,13 +76,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 // gu [2I] (gate | up) -> silu(gate) * up [I], silu(g) = g / (1 + exp(-g))
 void silu_mul_row(const float* g, int64_t I, float* o) {
   const float* u = g + I;
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   int64_t j = 0;
-  for (; j + 8 <= I; j += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + j);
-    const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
-    _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
-  }
+  for (; j + 8 <= I; j += 8) _mm256_storeu_ps(o + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
   for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
 }
 

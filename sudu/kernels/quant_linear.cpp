@@ -391,12 +391,17 @@ Weights weights_of(const torch::Tensor& q, int64_t K) {
 
 // One tile range of a call: its activation rows (quantized once per call: the first range's buffers, which
 // the other ranges of a segmented tensor share), its tiles, bias (padded to whole tiles) and outputs.
-struct Job {
+struct Tiles {
   int64_t fmt, K, nb, ntiles, tile_bytes, ldy, first;  // first: its tiles' offset in the call's tile range
   const uint8_t* p;
   const float* bias;
   float* y;  // [M, ldy], this range's first column
   const ActRows* x;  // the first job's rows
+  // outputs into a thread's scratch rows that it reads right after (qlinear_silu): ordinary stores, never
+  // past the caches
+  bool scratch = false;
+};
+struct Job : Tiles {
   ActRows rows;
   std::vector<float> padded;
 };
@@ -404,10 +409,10 @@ struct Job {
 // Tiles [t0, t1) of one job against its M activation rows. Up to MR_VNNI (AVX2: MR) rows, the tiles go
 // through one kernel call; with more, each tile meets every row chunk while it sits in L1/L2 (a GGUF tile on
 // the VNNI path, from unpack_min_rows rows: its codes assembled once, into a per-thread buffer).
-void run_tiles(const Job& j, int64_t M, int64_t t0, int64_t t1) {
+void run_tiles(const Tiles& j, int64_t M, int64_t t0, int64_t t1) {
   const int64_t ldy = j.ldy;
   const bool vnni = use_vnni;
-  const bool bypass = vnni && M >= bypass_min_rows;  // whole 64-byte lines per store
+  const bool bypass = vnni && M >= bypass_min_rows && !j.scratch;  // whole 64-byte lines per store
   const bool once = vnni && is_gguf_format(j.fmt) && M >= unpack_min_rows;
   // tiles [t, t + count) against all M rows; unpacked: tile t's codes from gguf_unpack_tile (count 1)
   auto run = [&](int64_t t, int64_t count, const uint8_t* unpacked) {
@@ -474,27 +479,16 @@ struct alignas(64) Share {
 // set_contiguous_shares switches it, so benchmarks can compare the two (the same results).
 bool contiguous_shares = true;
 
-// The jobs' tiles as one range over threads: one fork and join for all of them. Each thread streams its own
+// Work items [0, total) (a call's tiles as one range over its jobs, or qlinear_silu's tile pairs) over the
+// threads, run_range(a, b) for chunks of them: one fork and join for all. Each thread streams its own
 // contiguous share of the tiles, a chunk at a time, so its weights are one stream that the prefetches
 // (PREFETCH_BYTES ahead) carry from chunk to chunk; with chunks from a shared counter in turn, every chunk
 // starts a new stream, which decode steps measured slower (docs/cpu_speed.md). A thread done with its
 // share takes chunks from the back of the others', so a thread the OS preempts (another process waking on
 // its core) leaves its remaining chunks to the rest instead of holding every thread at the join. A tile's
 // outputs do not depend on which thread or call computes it.
-void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
-  int64_t total = 0;
-  for (size_t i = 0; i < n; ++i) {
-    jobs[i].first = total;
-    total += jobs[i].ntiles;
-  }
-  auto run_range = [&](int64_t t0, int64_t t1) {
-    for (size_t i = 0; i < n; ++i) {
-      const Job& j = jobs[i];
-      const int64_t a = std::max(t0, j.first), b = std::min(t1, j.first + j.ntiles);
-      if (a >= b) continue;
-      run_tiles(j, M, a - j.first, b - j.first);
-    }
-  };
+template <typename F>
+void run_shares(int64_t total, F&& run_range) {
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   if (threads <= 1 || total < 2 * threads) {
     at::parallel_for(0, total, 1, run_range);
@@ -515,6 +509,68 @@ void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
       while (shares[(begin + k) % n_shares].take(chunk, false, a, b)) run_range(a, b);
   });
 }
+
+int64_t number_jobs(std::vector<Job>& jobs, size_t n) {
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    jobs[i].first = total;
+    total += jobs[i].ntiles;
+  }
+  return total;
+}
+
+void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
+  const int64_t total = number_jobs(jobs, n);
+  run_shares(total, [&](int64_t t0, int64_t t1) {
+    for (size_t i = 0; i < n; ++i) {
+      const Job& j = jobs[i];
+      const int64_t a = std::max(t0, j.first), b = std::min(t1, j.first + j.ntiles);
+      if (a >= b) continue;
+      run_tiles(j, M, a - j.first, b - j.first);
+    }
+  });
+}
+
+// qlinear_silu's work: jobs over a fused gate | up weight of 2P tiles (gate's rows, then up's). Pair p is
+// gate tile p and up tile P + p; a thread's chunk of pairs [a, b) computes gate's tiles and up's for all M
+// rows into its scratch rows, then silu(gate) * up into out's columns 16a..16b (row stride 16P). With a few
+// rows (decode), each stream's tiles of the chunk go through the kernels in one call, as qlinear's would;
+// with more, a pair at a time, so the scratch rows stay in cache.
+void run_pairs(std::vector<Job>& jobs, size_t n, int64_t M, int64_t P, float* out) {
+  number_jobs(jobs, n);
+  // tiles [t, t + count) into y (row stride ldy), over the job ranges they span
+  auto run_span = [&](int64_t t, int64_t count, float* y, int64_t ldy) {
+    for (size_t i = 0; i < n; ++i) {
+      const Job& j = jobs[i];
+      const int64_t a = std::max(t, j.first), b = std::min(t + count, j.first + j.ntiles);
+      if (a >= b) continue;
+      Tiles v = j;  // from tile a on, its outputs from column 16 (a - t)
+      v.p += (a - j.first) * j.tile_bytes;
+      if (v.bias) v.bias += TILE_ROWS * (a - j.first);
+      v.y = y + TILE_ROWS * (a - t);
+      v.ldy = ldy;
+      v.scratch = true;
+      run_tiles(v, M, 0, b - a);
+    }
+  };
+  run_shares(P, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> scratch;
+    const int64_t step = M <= MR_VNNI ? p1 - p0 : 1;
+    for (int64_t a = p0; a < p1; a += step) {
+      const int64_t count = std::min(p1, a + step) - a, w = TILE_ROWS * count;
+      scratch.resize(2 * M * w);
+      float *g = scratch.data(), *u = g + M * w;
+      run_span(a, count, g, w);
+      run_span(P + a, count, u, w);
+      for (int64_t m = 0; m < M; ++m) {
+        float* o = out + m * P * TILE_ROWS + TILE_ROWS * a;
+        for (int64_t c = 0; c < w; c += 8)
+          _mm256_storeu_ps(o + c, silu_mul8(_mm256_loadu_ps(g + m * w + c), _mm256_loadu_ps(u + m * w + c)));
+      }
+    }
+  });
+}
+
 
 // One tile's 16 rows (K = 32 * nb columns) as float32, w = s * q + m, into out (row stride ldo). Per chunk and
 // 8 rows: the low and high nibbles of a lane, interleaved by dword (unpacklo / unpackhi), are that row's 8
@@ -646,11 +702,15 @@ void set_jobs(Job* jobs, const Weights& w, const float* x, int64_t M, const torc
     j.ldy = N;
     j.p = r.p;
     j.bias = bp ? bp + row : nullptr;
-    j.y = y + row;
+    j.y = y ? y + row : nullptr;
     j.x = &j0.rows;
     row += r.ntiles * TILE_ROWS;
   }
 }
+
+// Whether qlinear_silu applies silu * up inside the call (else: qlinear, then silu_mul: the same values).
+// set_fused_silu switches it, so benchmarks can compare the two.
+bool fused_silu = true;
 
 // A calling thread's reusable jobs for products of a few rows (larger ones allocate their own, so a
 // prompt's buffers are not held).
@@ -675,6 +735,32 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Ten
   run_jobs(jobs, w.n, M);
   return y;
 }
+
+// x: float32 [M, K]; q: a fused gate | up weight (layers/mlp.py), I rows each, I a multiple of 16, so 2I / 16
+// tiles, gate's first -> silu(x gate^T + b) * (x up^T + b) [M, I]: every value exactly what
+// silu_mul(qlinear(x, q, bias)) gives, without the [M, 2I] intermediate or the pass over it.
+torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias) {
+  if (!fused_silu) return silu_mul(qlinear(x, q, bias));
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  const Weights w = weights_of(q, K);
+  TORCH_CHECK(w.ntiles % 2 == 0, "qlinear_silu: gate | up must be an even number of tiles (I a multiple of 16)");
+  const int64_t P = w.ntiles / 2;
+  auto out = torch::empty({M, P * TILE_ROWS}, x.options());
+  const torch::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  std::vector<Job> own;
+  std::vector<Job>& jobs = M * K <= REUSED_ELEMENTS ? reused_jobs : own;
+  if (jobs.size() < static_cast<size_t>(w.n)) jobs.resize(w.n);
+  set_jobs(jobs.data(), w, x.data_ptr<float>(), M, b, nullptr);
+  run_pairs(jobs, w.n, M, P, out.data_ptr<float>());
+  return out;
+}
+
+bool set_fused_silu(bool on) { return std::exchange(fused_silu, on); }
+
+// Tiles of packed weights q (16 rows each, the last one's padding included).
+int64_t weight_tiles(torch::Tensor q) { return weights_of(q, -1).ntiles; }
 
 // Several one-row products in one parallel region (kernels.h QProduct): what qlinear computes for each.
 void qlinear_products(std::vector<QProduct>& products) {

@@ -15,10 +15,11 @@ ACTIVATIONS = {
 }
 
 
-# A long prompt chunk's MLP runs in row blocks whose float32 gate/up output stays within this many bytes:
-# each block's intermediates then stay well under glibc's mmap threshold (32 MiB), above which every call's
-# output is fresh memory that faults in page by page, and within L3 (docs/cpu_speed.md). Rows are
-# independent, so the blocks give the rows of one call bit for bit.
+# A long prompt chunk's MLP runs in row blocks whose float32 intermediate (silu(gate) * up from the fused
+# call, else gate/up's output) stays within this many bytes: each block's intermediates then stay well under
+# glibc's mmap threshold (32 MiB), above which every call's output is fresh memory that faults in page by
+# page, and within L3 (docs/cpu_speed.md). Rows are independent, so the blocks give the rows of one call bit
+# for bit.
 BLOCK_BYTES = 14 << 20
 
 
@@ -50,6 +51,21 @@ class GatedMLP(nn.Module):
                                  and isinstance(fused, QuantizedLinear) and fused._ext is not None
                                  and isinstance(self.down_proj, QuantizedLinear) and self.down_proj._ext is not None)
 
+    def _fuses_silu(self, x: torch.Tensor) -> bool:
+        """Whether silu(gate) * up runs inside the quantized gate_up call (kernels/quant_linear.cpp
+        qlinear_silu: the same values, without the [rows, 2I] intermediate and the pass over it): gate and up
+        whole tiles each, and rows that take the integer kernel."""
+        fused = self.gate_up_proj
+        return (isinstance(fused, QuantizedLinear) and fused._ext is not None and fused.out_features % 32 == 0
+                and x.shape[0] < linear.PREFILL_MIN_ROWS)
+
+    def _gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x) for float32 rows: in the gate_up call where _fuses_silu, else silu_mul after it."""
+        fused = self.gate_up_proj
+        if self._fuses_silu(x):
+            return fused._ext.qlinear_silu(x, fused.qweight, fused.bias)
+        return self._silu_mul(fused(x))
+
     def forward(self, x):
         if self.gate_up_proj is not None:
             if self._bf16_chunks and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= linear.PREFILL_MIN_ROWS:
@@ -58,12 +74,13 @@ class GatedMLP(nn.Module):
             if self._silu_mul is not None and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2:
                 # blocks only where the whole call takes the integer kernel too (a GEMM route dequantizes the
                 # weights per call)
-                rows = max(64, BLOCK_BYTES // (4 * self.gate_up_proj.out_features)) if BLOCK_BYTES else x.shape[0]
+                width = self.gate_up_proj.out_features // (2 if self._fuses_silu(x) else 1)
+                rows = max(64, BLOCK_BYTES // (4 * width)) if BLOCK_BYTES else x.shape[0]
                 if x.shape[0] <= rows or x.shape[0] >= linear.PREFILL_MIN_ROWS:
-                    return self.down_proj(self._silu_mul(self.gate_up_proj(x)))
+                    return self.down_proj(self._gate_up_silu(x))
                 n = -(-x.shape[0] // rows)
                 step = (-(-x.shape[0] // n) + 7) // 8 * 8  # n even blocks, whole 8-row kernel calls
-                return torch.cat([self.down_proj(self._silu_mul(self.gate_up_proj(b))) for b in x.split(step)])
+                return torch.cat([self.down_proj(self._gate_up_silu(b)) for b in x.split(step)])
             gate_up = self.gate_up_proj(x)
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
