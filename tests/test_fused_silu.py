@@ -9,17 +9,13 @@ from sudu import kernels
 from sudu.layers import gguf_native
 from sudu.layers import linear as L
 from sudu.layers.mlp import GatedMLP
-from tests.test_gguf_native import random_tensor
+from tests.test_gguf_native import isas, random_tensor
 
 ext = kernels.load()
 pytestmark = pytest.mark.skipif(ext is None, reason="native kernels unavailable")
 
 # decode, speculation, the 8-row kernel's edge, prompt chunks below and above the once-per-tile unpacking
 ROWS = (1, 3, 8, 9, 64, 70)
-
-
-def isas() -> list[str]:
-    return ["avx2", "native"] if ext.set_isa("native") == "avx512vnni" else ["avx2"]
 
 
 @pytest.fixture(autouse=True)
