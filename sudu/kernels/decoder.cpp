@@ -15,9 +15,13 @@ namespace {
 
 constexpr size_t PER_LAYER = 10;  // the weights of one layer, in the order of llama_decode's comment
 
+// A layer's bias as the kernels take it: absent for an empty tensor.
+c10::optional<torch::Tensor> bias_of(const torch::Tensor& bias) {
+  return bias.defined() && bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
+}
+
 torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at) {
-  const torch::Tensor& bias = w[at + 1];
-  return qlinear(x, w[at], bias.defined() && bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+  return qlinear(x, w[at], bias_of(w[at + 1]));
 }
 
 // Copies x's rows into a float pool's slots: float32 as they are, float16 and bfloat16 rounded to nearest
@@ -104,11 +108,7 @@ torch::Tensor cache_and_attend(const torch::Tensor& q, const torch::Tensor& k, c
 // One gated MLP (gate_up tiles, bias, down tiles, bias at w[at..at+3]) on rows x, as GatedMLP.forward:
 // silu(gate) * up in the gate_up call itself where gate and up are whole tiles each (qlinear_silu).
 torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>& w, size_t at) {
-  if (weight_tiles(w[at]) % 2 == 0) {
-    const torch::Tensor& bias = w[at + 1];
-    return linear(qlinear_silu(x, w[at], bias.defined() && bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt),
-                  w, at + 2);
-  }
+  if (weight_tiles(w[at]) % 2 == 0) return linear(qlinear_silu(x, w[at], bias_of(w[at + 1])), w, at + 2);
   return linear(silu_mul(linear(x, w, at)), w, at + 2);
 }
 

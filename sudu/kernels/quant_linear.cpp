@@ -519,15 +519,20 @@ int64_t number_jobs(std::vector<Job>& jobs, size_t n) {
   return total;
 }
 
+// f(job, a, b) for each job's part [a, b) (its own tile indices) of the call's tiles [t0, t1).
+template <typename F>
+void each_range(const std::vector<Job>& jobs, size_t n, int64_t t0, int64_t t1, F&& f) {
+  for (size_t i = 0; i < n; ++i) {
+    const Job& j = jobs[i];
+    const int64_t a = std::max(t0, j.first), b = std::min(t1, j.first + j.ntiles);
+    if (a < b) f(j, a - j.first, b - j.first);
+  }
+}
+
 void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
   const int64_t total = number_jobs(jobs, n);
   run_shares(total, [&](int64_t t0, int64_t t1) {
-    for (size_t i = 0; i < n; ++i) {
-      const Job& j = jobs[i];
-      const int64_t a = std::max(t0, j.first), b = std::min(t1, j.first + j.ntiles);
-      if (a >= b) continue;
-      run_tiles(j, M, a - j.first, b - j.first);
-    }
+    each_range(jobs, n, t0, t1, [&](const Job& j, int64_t a, int64_t b) { run_tiles(j, M, a, b); });
   });
 }
 
@@ -540,18 +545,15 @@ void run_pairs(std::vector<Job>& jobs, size_t n, int64_t M, int64_t P, float* ou
   number_jobs(jobs, n);
   // tiles [t, t + count) into y (row stride ldy), over the job ranges they span
   auto run_span = [&](int64_t t, int64_t count, float* y, int64_t ldy) {
-    for (size_t i = 0; i < n; ++i) {
-      const Job& j = jobs[i];
-      const int64_t a = std::max(t, j.first), b = std::min(t + count, j.first + j.ntiles);
-      if (a >= b) continue;
-      Tiles v = j;  // from tile a on, its outputs from column 16 (a - t)
-      v.p += (a - j.first) * j.tile_bytes;
-      if (v.bias) v.bias += TILE_ROWS * (a - j.first);
-      v.y = y + TILE_ROWS * (a - t);
+    each_range(jobs, n, t, t + count, [&](const Job& j, int64_t a, int64_t b) {
+      Tiles v = j;  // from its tile a on, the outputs from column 16 (first + a - t)
+      v.p += a * j.tile_bytes;
+      if (v.bias) v.bias += TILE_ROWS * a;
+      v.y = y + TILE_ROWS * (j.first + a - t);
       v.ldy = ldy;
       v.scratch = true;
       run_tiles(v, M, 0, b - a);
-    }
+    });
   };
   run_shares(P, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> scratch;
@@ -717,22 +719,33 @@ bool fused_silu = true;
 constexpr int64_t REUSED_ELEMENTS = 1 << 16;
 thread_local std::vector<Job> reused_jobs;
 
+// The jobs of a call of x's rows (contiguous) with w, set up by set_jobs (outputs into y, or none): the
+// calling thread's reused jobs for a few rows, else `own`.
+std::vector<Job>& call_jobs(const torch::Tensor& x, const Weights& w, const c10::optional<torch::Tensor>& bias,
+                            std::vector<Job>& own, float* y) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<Job>& jobs = M * K <= REUSED_ELEMENTS ? reused_jobs : own;
+  if (jobs.size() < static_cast<size_t>(w.n)) jobs.resize(w.n);
+  set_jobs(jobs.data(), w, x.data_ptr<float>(), M, bias.has_value() ? &*bias : nullptr, y);
+  return jobs;
+}
+
+// x as the calls take it: float32 [M, K], contiguous.
+torch::Tensor call_input(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
+  return x.contiguous();
+}
+
 }  // namespace
 
 // x: float32 [M, K]; q: packed tiles or a segmented tensor (weights_of) -> y [M, 16 * tiles], the padding
 // rows' outputs included. bias: float32 [<= 16 * tiles, > 16 * (tiles - 1)] or empty.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  const Weights w = weights_of(q, K);
-  auto y = torch::empty({M, w.ntiles * TILE_ROWS}, x.options());
-  const torch::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  x = call_input(x);
+  const Weights w = weights_of(q, x.size(1));
+  auto y = torch::empty({x.size(0), w.ntiles * TILE_ROWS}, x.options());
   std::vector<Job> own;
-  std::vector<Job>& jobs = M * K <= REUSED_ELEMENTS ? reused_jobs : own;
-  if (jobs.size() < static_cast<size_t>(w.n)) jobs.resize(w.n);
-  set_jobs(jobs.data(), w, x.data_ptr<float>(), M, b, y.data_ptr<float>());
-  run_jobs(jobs, w.n, M);
+  run_jobs(call_jobs(x, w, bias, own, y.data_ptr<float>()), w.n, x.size(0));
   return y;
 }
 
@@ -741,19 +754,13 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Ten
 // silu_mul(qlinear(x, q, bias)) gives, without the [M, 2I] intermediate or the pass over it.
 torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias) {
   if (!fused_silu) return silu_mul(qlinear(x, q, bias));
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  const Weights w = weights_of(q, K);
+  x = call_input(x);
+  const Weights w = weights_of(q, x.size(1));
   TORCH_CHECK(w.ntiles % 2 == 0, "qlinear_silu: gate | up must be an even number of tiles (I a multiple of 16)");
   const int64_t P = w.ntiles / 2;
-  auto out = torch::empty({M, P * TILE_ROWS}, x.options());
-  const torch::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  auto out = torch::empty({x.size(0), P * TILE_ROWS}, x.options());
   std::vector<Job> own;
-  std::vector<Job>& jobs = M * K <= REUSED_ELEMENTS ? reused_jobs : own;
-  if (jobs.size() < static_cast<size_t>(w.n)) jobs.resize(w.n);
-  set_jobs(jobs.data(), w, x.data_ptr<float>(), M, b, nullptr);
-  run_pairs(jobs, w.n, M, P, out.data_ptr<float>());
+  run_pairs(call_jobs(x, w, bias, own, nullptr), w.n, x.size(0), P, out.data_ptr<float>());
   return out;
 }
 
