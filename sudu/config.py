@@ -64,6 +64,9 @@ class EngineConfig:
     # draft model's output head: only the first N token ids (in BPE merge order, the most frequent) and the
     # special tokens; 0 = the whole vocabulary. Lossless either way (the target verifies every token).
     speculative_draft_vocab: int = 65536
+    # output head of steps whose rows are all greedy: auto | full. auto, on the CPU with an 8-bit head: a 4-bit
+    # shadow of it, then the head's own tiles that can hold each row's argmax (the same tokens; layers/bounded_head.py)
+    greedy_head: str = "auto"
     # CUDA: decode steps of up to this many sequences replay graphs captured at load, one per padded batch
     # size (1, 2, 4, 8, ...: cuda/step.py); 0 = every step eager
     cuda_graph_max_batch: int = 64
@@ -99,6 +102,8 @@ class EngineConfig:
             raise ValueError("speculative_draft_vocab must be >= 0 (0 = the whole vocabulary)")
         if self.quantization not in ("auto", "native", "none", "int8", "int4"):
             raise ValueError(f"quantization must be auto, native, none, int8 or int4, got {self.quantization!r}")
+        if self.greedy_head not in ("auto", "full"):
+            raise ValueError(f"greedy_head must be auto or full, got {self.greedy_head!r}")
         if self.sliding_window_kv not in ("ring", "full"):
             raise ValueError(f"sliding_window_kv must be ring or full, got {self.sliding_window_kv!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16", "int8"):

@@ -71,12 +71,15 @@ def resident_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def memory_report(engine) -> dict:
-    """weights, KV pools (allocated and resident) and the resident set, in bytes."""
+    """weights (the bounded head's shadow included), KV pools (allocated and resident) and the resident set, in
+    bytes."""
     pools = kv_pool_tensors(engine.runner.kv_caches)
     on_cpu = all(t.device.type == "cpu" for t in pools)
+    bounded = getattr(engine.runner, "bounded_head", None)  # its shadow of the output head counts as weights
     return {
-        "memory_weights_bytes": weight_bytes(engine.runner.model),
-        "memory_weights_huge_page_bytes": huge_page_bytes(getattr(engine.runner.model, "huge_page_weights", None)),
+        "memory_weights_bytes": weight_bytes(engine.runner.model) + (bounded.shadow_bytes() if bounded else 0),
+        "memory_weights_huge_page_bytes": huge_page_bytes(getattr(engine.runner.model, "huge_page_weights", None))
+        + (huge_page_bytes(bounded.huge_pages) if bounded else 0),
         "memory_kv_pool_bytes": sum(_storages(pools).values()),
         "memory_kv_resident_bytes": resident_bytes(pools) if on_cpu else -1,
         "memory_rss_bytes": rss_bytes(),

@@ -11,12 +11,12 @@ import torch
 
 from sudu.config import EngineConfig, default_num_threads
 from sudu.cuda.step import CudaStep, uses_cuda_path
-from sudu.engine.text_eval import forward_text
+from sudu.engine.text_eval import final_hidden, forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
-from sudu.layers import linear
+from sudu.layers import bounded_head, linear
 from sudu.layers.linear import prefill_attention_dtype
 from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder, calibration_ids
 from sudu.layers.kv_cache import layer_kv_bytes_per_token
@@ -251,6 +251,10 @@ class ModelRunner:
             ids = calibration_ids(tokenizer, model_cfg) if tokenizer is not None else []
             log.info("calibrating the int8 KV scales on %d tokens", len(ids))
             calibrate_int8_kv(model, self.kv_caches, ids)
+        # steps whose rows all want their argmax alone read a shadow of the head (layers/bounded_head.py)
+        self.bounded_head = None
+        if config.greedy_head == "auto" and not cuda_path and tokenizer is not None:
+            self.bounded_head = bounded_head.build(model, lambda: final_hidden(model, calibration_ids(tokenizer, model_cfg)))
         self.cuda_step = None
         if cuda_path:
             self.cuda_step = CudaStep(
@@ -297,7 +301,12 @@ class ModelRunner:
             self.last_hidden = hidden
         if not sample_rows:
             return hidden.new_zeros(0, self.model_cfg.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[sample_rows]).float()
+        rows = hidden[sample_rows]
+        if self.bounded_head is not None and bounded_head.serves(scheduled):
+            logits = self.bounded_head.logits(rows)
+            if logits is not None:
+                return logits
+        return self.model.compute_logits(rows).float()
 
     def _metadata(self, scheduled, q_lens: list[int], ends: list[int]):
         """The step's attention metadata for the CPU path (and CUDA without Triton): per-sequence key slots."""

@@ -1,6 +1,6 @@
 """A text's logits through a network in one pass: what perplexity and greedy-agreement measurements use (the
 quantization accuracy tests, benchmarks/native_quality.py) and what the int8 KV calibration runs
-(engine/model_runner.py)."""
+(engine/model_runner.py), and the hidden states the bounded head's directions come from."""
 from __future__ import annotations
 
 import math
@@ -27,6 +27,18 @@ def forward_text(model: torch.nn.Module, token_ids: list[int], pools: list) -> t
     return model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), meta)
 
 
+def float_pools(cfg, n: int) -> list:
+    """Temporary float32 KV pools of n slots per layer, for one pass over a text."""
+    heads, k_dim, v_dim = cfg.kv_cache_shape()
+    return [KVCache(n, heads, k_dim, torch.float32, v_head_dim=v_dim) for _ in range(cfg.num_hidden_layers)]
+
+
+@torch.inference_mode()
+def final_hidden(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """The final hidden states [n, hidden] of one pass over token_ids (on the CPU, temporary float32 pools)."""
+    return forward_text(model, token_ids, float_pools(model.config, len(token_ids)))
+
+
 @torch.inference_mode()
 def text_logits(model: torch.nn.Module, token_ids: list[int], pools: list | None = None,
                 prefill_min_rows: int = 1 << 30) -> torch.Tensor:
@@ -34,11 +46,8 @@ def text_logits(model: torch.nn.Module, token_ids: list[int], pools: list | None
     ones). linear.PREFILL_MIN_ROWS is set to prefill_min_rows for the call: by default every row goes
     through the decode kernel, as decoding computes it. (tests/test_quantization_accuracy.py measures
     through this too.)"""
-    cfg = model.config
     if pools is None:
-        heads, k_dim, v_dim = cfg.kv_cache_shape()
-        pools = [KVCache(len(token_ids), heads, k_dim, torch.float32, v_head_dim=v_dim)
-                 for _ in range(cfg.num_hidden_layers)]
+        pools = float_pools(model.config, len(token_ids))
     with linear.prefill_path_as(prefill_min_rows):
         return model.compute_logits(forward_text(model, token_ids, pools)).float()
 

@@ -2,7 +2,7 @@
 // gguf_tiles.cpp for GGUF's own block formats),
 // attention.cpp (attention of few new tokens over the paged KV pool), prompt_attention.cpp (a prompt chunk's
 // attention), ops.cpp (a decoder layer's elementwise steps), decoder.cpp (a whole decode step's decoder
-// stack) and moe.cpp (routed experts).
+// stack), moe.cpp (routed experts) and bounded_head.cpp (a greedy row's candidates in the output head).
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -11,6 +11,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_silu", &qlinear_silu, "silu(x @ gate^T + b) * (x @ up^T + b) from fused gate | up tiles",
         py::call_guard<py::gil_scoped_release>());
   m.def("weight_tiles", &weight_tiles, "tiles of 16 rows in packed weights");
+  m.def("q8_0_values", &q8_0_values, "rows of x as the 8-bit, 4-bit and Q5_0 tiles' calls quantize them (q8_0), float32");
+  m.def("head_candidates", &head_candidates,
+        "the output head's tiles that can hold a greedy row's argmax, from a 4-bit shadow's logits (bounded_head.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("set_fused_silu", &set_fused_silu, "whether qlinear_silu applies silu * up inside the call; returns the old value");
   m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [16 * tiles, K], tiles [t0, t1)",
         py::call_guard<py::gil_scoped_release>(),

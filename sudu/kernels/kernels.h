@@ -13,6 +13,12 @@ torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch
 int64_t weight_tiles(torch::Tensor q);
 // Whether qlinear_silu fuses (else qlinear then silu_mul, the same values); returns the previous setting.
 bool set_fused_silu(bool on);
+// x's rows as the 8-bit, 4-bit and Q5_0 tiles' calls quantize them (q8_0), as float32 values.
+torch::Tensor q8_0_values(torch::Tensor x);
+// Greedy rows' candidate tiles of an output head, from its 4-bit shadow's products and their error bounds
+// (bounded_head.cpp; layers/bounded_head.py).
+torch::Tensor head_candidates(torch::Tensor x, torch::Tensor approx, torch::Tensor U, torch::Tensor C,
+                              torch::Tensor consts, int64_t vocab, int64_t max_tiles);
 // One row's product with packed tiles q: y [16 * tiles] = qlinear(x [1, K], q, bias), written in place.
 struct QProduct {
   const float* x;

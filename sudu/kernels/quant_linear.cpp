@@ -766,6 +766,21 @@ torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch
 
 bool set_fused_silu(bool on) { return std::exchange(fused_silu, on); }
 
+// x [M, K] (K a multiple of 32) as the calls of the 8-bit, 4-bit and Q5_0 tiles quantize it: per 32 columns,
+// code * d (q8_0: ActRows.quantize), float32 [M, K]. layers/bounded_head.py bounds its products with it.
+torch::Tensor q8_0_values(torch::Tensor x) {
+  x = call_input(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "q8_0_values: K must be a multiple of 32");
+  ActRows a;
+  a.quantize(x.data_ptr<float>(), M, K, true, false);
+  auto out = torch::empty_like(x);
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < K; ++i) o[m * K + i] = static_cast<float>(a.xq[m * K + i]) * a.sx[m * (K / 32) + i / 32];
+  return out;
+}
+
 // Tiles of packed weights q (16 rows each, the last one's padding included).
 int64_t weight_tiles(torch::Tensor q) { return weights_of(q, -1).ntiles; }
 

@@ -75,6 +75,8 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    PLAIN_HEAD = True  # compute_logits is lm_head(hidden) and nothing else (layers/bounded_head.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg

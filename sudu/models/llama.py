@@ -116,6 +116,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The llama decoder stack. Variants pass their attention module class and an mlp factory (cfg,
     layer_idx) -> module; the one-call native decode stack applies only to the plain llama layers."""
+    PLAIN_HEAD = True  # compute_logits is lm_head(hidden) and nothing else (layers/bounded_head.py)
 
     def __init__(self, cfg: ModelConfig, attention=LlamaAttention, mlp=None):
         super().__init__()
