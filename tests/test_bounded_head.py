@@ -71,6 +71,25 @@ def test_argmax_and_values_are_the_whole_heads(kind, isa):
     assert bounded.tiles_read / max(1, bounded.calls - bounded.whole_head) < tiles / 4
 
 
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("kind", ["int8", "Q6_K"])
+def test_qlinear_tiles_are_qlinears_columns(kind, isa):
+    ext.set_isa(isa)
+    h = head(kind)
+    g = torch.Generator().manual_seed(7)
+    picks = [torch.tensor([0]), torch.tensor([3, 4, 5, 90, 127]), torch.arange(128),
+             torch.randperm(128, generator=g)[:40].sort().values]
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, K, generator=g)
+        whole = ext.qlinear(x, h.qweight, None)
+        for idx in picks:
+            cols = (idx[:, None] * L.TILE_ROWS + torch.arange(L.TILE_ROWS)).reshape(-1)
+            assert torch.equal(ext.qlinear_tiles(x, h.qweight, idx), whole[:, cols])
+    for bad in (torch.tensor([5, 3]), torch.tensor([128]), torch.tensor([-1])):
+        with pytest.raises(RuntimeError, match="ascend"):
+            ext.qlinear_tiles(x, h.qweight, bad)
+
+
 def test_ties_resolve_as_the_whole_head():
     """Two vocabulary rows (in different tiles) with the same weights and the largest logit: both tie, and
     the first wins, as torch.argmax and the whole head give."""

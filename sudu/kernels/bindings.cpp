@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_silu", &qlinear_silu, "silu(x @ gate^T + b) * (x @ up^T + b) from fused gate | up tiles",
         py::call_guard<py::gil_scoped_release>());
   m.def("weight_tiles", &weight_tiles, "tiles of 16 rows in packed weights");
+  m.def("qlinear_tiles", &qlinear_tiles, "qlinear's outputs of the given (ascending) tiles only, [M, 16 * tiles]",
+        py::call_guard<py::gil_scoped_release>());
   m.def("q8_0_values", &q8_0_values, "rows of x as the 8-bit, 4-bit and Q5_0 tiles' calls quantize them (q8_0), float32");
   m.def("head_candidates", &head_candidates,
         "the output head's tiles that can hold a greedy row's argmax, from a 4-bit shadow's logits (bounded_head.cpp)",

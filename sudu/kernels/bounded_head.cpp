@@ -2,14 +2,16 @@
 // shadow of the head and a bound on how far each shadow logit is from the head's own (layers/bounded_head.py
 // derives the bound and builds U, C and the per-row constants).
 //
-// Per row of x, in double: xh = x as the kernels quantize it (q8_0_values), z = U^T xh, p = |xh - U z|,
-// n = |xh|. Vocabulary row j's own logit lies within b_j of a_j:
+// Per row of x: xh = x as the kernels quantize it (q8_0_values), z = U^T xh, p = |xh - U z|,
+// n = |xh| (in double). Vocabulary row j's own logit lies within b_j of a_j:
 //   stage 1 (every j):           a_j = approx_j,            b_j = cn_j |z| + rr_j p + sl_j n
 //   stage 2 (stage 1's rows):    a_j = approx_j + C_j . z,  b_j = rr_j p + sl_j n
 // Any row's lower end a_j - b_j is a lower bound of the largest logit, so a row whose upper end a_j + b_j
 // is below the largest lower end cannot be the argmax (nor tie with it). Stage 1 needs only three floats per
-// row; stage 2 reads C's k floats for the few rows stage 1 keeps.
+// row; stage 2 reads C's k floats for the few rows stage 1 keeps. Both run in float: their rounding, a few
+// units of the sums they form, is far inside the spare factor of the bound's rounding term.
 #include "kernels.h"
+#include "simd.h"
 
 #include <immintrin.h>
 
@@ -79,7 +81,7 @@ torch::Tensor head_candidates(torch::Tensor x, torch::Tensor approx, torch::Tens
   // stage 1: each chunk's largest lower end per row (NaN where a value is not finite), then the rows reaching
   // the largest of them
   std::vector<float> lows(chunks * M, -std::numeric_limits<float>::infinity());
-  std::vector<std::vector<int32_t>> kept(chunks * M);
+  std::vector<std::vector<std::pair<int32_t, float>>> kept(chunks * M);  // stage 2's rows: (j, upper end)
   // row m's stage-1 bounds over chunk c: on8(j, b) for each whole 8 rows from j, on1(j, b) for the rest
   auto each_bound = [&](int64_t c, int64_t m, auto&& on8, auto&& on1) {
     const int64_t j0 = c * step, j1 = std::min(V, j0 + step);
@@ -121,42 +123,54 @@ torch::Tensor head_candidates(torch::Tensor x, torch::Tensor approx, torch::Tens
       if (std::isnan(lows[c * M + m])) return none;
       thr[m] = std::max(thr[m], lows[c * M + m]);
     }
+  // stage 2, on the rows reaching that: the shadow's logit corrected by C_j . z, and the tighter bound; each
+  // chunk's largest lower end per row, and its rows' upper ends
+  const float* Cp = C.data_ptr<float>();
+  std::vector<float> zf(M * k);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < k; ++i) zf[m * k + i] = float(terms[m].z[i]);
+  std::vector<float> lows2(chunks * M, -std::numeric_limits<float>::infinity());
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t m = 0; m < M; ++m) {
+        const RowTerms& t = terms[m];
         const float* a = A + m * ld;
-        std::vector<int32_t>& out = kept[c * M + m];
+        const float* z = zf.data() + m * k;
+        std::vector<std::pair<int32_t, float>>& out = kept[c * M + m];
+        float& best = lows2[c * M + m];
+        auto stage2 = [&](int64_t j) {
+          const float* cj = Cp + j * k;
+          __m256 d = _mm256_setzero_ps();
+          int64_t i = 0;
+          for (; i + 8 <= k; i += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(cj + i), _mm256_loadu_ps(z + i), d);
+          float centre = a[j] + hsum(d);
+          for (; i < k; ++i) centre += cj[i] * z[i];
+          const float b = rr[j] * float(t.p) + sl[j] * float(t.n);
+          best = std::max(best, centre - b);
+          out.emplace_back(int32_t(j), centre + b);
+        };
         const __m256 th = _mm256_set1_ps(thr[m]);
         each_bound(c, m,
                    [&](int64_t j, __m256 b) {
                      int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a + j), b), th, _CMP_GE_OQ));
-                     for (; bits; bits &= bits - 1) out.push_back(int32_t(j + __builtin_ctz(bits)));
+                     for (; bits; bits &= bits - 1) stage2(j + __builtin_ctz(bits));
                    },
                    [&](int64_t j, float b) {
-                     if (a[j] + b >= thr[m]) out.push_back(int32_t(j));
+                     if (a[j] + b >= thr[m]) stage2(j);
                    });
       }
   });
-
-  // stage 2, on stage 1's rows: the shadow's logit corrected by C_j . z, and the tighter bound
   std::vector<char> hit((V + TILE - 1) / TILE, 0);
-  const float* Cp = C.data_ptr<float>();
-  std::vector<std::pair<int32_t, double>> upper;
+  int64_t hits = 0;
   for (int64_t m = 0; m < M; ++m) {
-    const RowTerms& t = terms[m];
-    const float* a = A + m * ld;
-    double best = -std::numeric_limits<double>::infinity();
-    upper.clear();
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) best = std::max(best, lows2[c * M + m]);
     for (int64_t c = 0; c < chunks; ++c)
-      for (int32_t j : kept[c * M + m]) {
-        double centre = a[j];
-        for (int64_t i = 0; i < k; ++i) centre += double(Cp[j * k + i]) * t.z[i];
-        const double b = double(rr[j]) * t.p + double(sl[j]) * t.n;
-        best = std::max(best, centre - b);
-        upper.emplace_back(j, centre + b);
-      }
-    for (const auto& [j, up] : upper)
-      if (up >= best) hit[j / TILE] = 1;
+      for (const auto& [j, up] : kept[c * M + m])
+        if (up >= best && !hit[j / TILE]) {
+          hit[j / TILE] = 1;
+          if (++hits > max_tiles) return none;
+        }
   }
   std::vector<int64_t> tiles;
   for (int64_t i = 0; i < int64_t(hit.size()); ++i)

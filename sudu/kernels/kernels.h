@@ -15,6 +15,8 @@ int64_t weight_tiles(torch::Tensor q);
 bool set_fused_silu(bool on);
 // x's rows as the 8-bit, 4-bit and Q5_0 tiles' calls quantize them (q8_0), as float32 values.
 torch::Tensor q8_0_values(torch::Tensor x);
+// qlinear's outputs of the given tiles only (ascending int64 indices): y [M, 16 * tiles].
+torch::Tensor qlinear_tiles(torch::Tensor x, torch::Tensor q, torch::Tensor tiles);
 // Greedy rows' candidate tiles of an output head, from its 4-bit shadow's products and their error bounds
 // (bounded_head.cpp; layers/bounded_head.py).
 torch::Tensor head_candidates(torch::Tensor x, torch::Tensor approx, torch::Tensor U, torch::Tensor C,

@@ -766,6 +766,37 @@ torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch
 
 bool set_fused_silu(bool on) { return std::exchange(fused_silu, on); }
 
+// x: float32 [M, K]; q: weights of one format (packed tiles or a one-segment tensor); tiles: ascending int64
+// tile indices -> y [M, 16 * tiles]: tile tiles[i]'s outputs in columns 16i..16i+15, each exactly what qlinear
+// gives for that tile (a tile's outputs do not depend on the call). Runs of consecutive tiles are one job each.
+torch::Tensor qlinear_tiles(torch::Tensor x, torch::Tensor q, torch::Tensor tiles) {
+  x = call_input(x);
+  const Weights w = weights_of(q, x.size(1));
+  TORCH_CHECK(w.n == 1, "qlinear_tiles: weights of one format");
+  TORCH_CHECK(tiles.scalar_type() == torch::kLong && tiles.dim() == 1 && tiles.is_contiguous(),
+              "qlinear_tiles: tiles must be int64 [n]");
+  const int64_t n = tiles.numel(), M = x.size(0);
+  const int64_t* t = tiles.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < w.ntiles && (i == 0 || t[i] > t[i - 1]), "qlinear_tiles: tiles must ascend within the weights");
+  auto y = torch::empty({M, n * TILE_ROWS}, x.options());
+  std::vector<Job> own;
+  const Job& whole = call_jobs(x, w, c10::nullopt, own, nullptr)[0];  // its activation rows serve every run
+  std::vector<Job> runs;
+  for (int64_t i = 0, e; i < n; i = e) {
+    for (e = i + 1; e < n && t[e] == t[e - 1] + 1;) ++e;
+    Job run;
+    static_cast<Tiles&>(run) = whole;
+    run.p = whole.p + t[i] * whole.tile_bytes;
+    run.ntiles = e - i;
+    run.ldy = n * TILE_ROWS;
+    run.y = y.data_ptr<float>() + i * TILE_ROWS;
+    runs.push_back(std::move(run));
+  }
+  if (n) run_jobs(runs, runs.size(), M);
+  return y;
+}
+
 // x [M, K] (K a multiple of 32) as the calls of the 8-bit, 4-bit and Q5_0 tiles quantize it: per 32 columns,
 // code * d (q8_0: ActRows.quantize), float32 [M, K]. layers/bounded_head.py bounds its products with it.
 torch::Tensor q8_0_values(torch::Tensor x) {

@@ -31,7 +31,7 @@ import math
 import torch
 
 from sudu import kernels
-from sudu.layers.gguf_native import segmented, segments
+from sudu.layers.gguf_native import segments
 from sudu.layers.linear import TILE_ROWS, QuantizedLinear, dequantize_torch, quantize_int4
 from sudu.sampling import SamplingParams
 
@@ -41,7 +41,9 @@ RANK = 16  # principal directions of the hidden states that C corrects for
 SLICE_ROWS = 8192  # head rows dequantized at a time while building
 MIN_VOCAB = 4096  # smaller heads are not worth a shadow
 MIN_BYTES_PER_WEIGHT = 0.8  # heads of 6.5 bits and up (Q6_K, Q8_0, int8); a 4-bit shadow of fewer saves little
-MAX_TILE_FRACTION = 0.25  # more candidate tiles than this: the whole head instead
+# more candidate tiles than this: the whole head instead (the shadow reads 0.59 of the head's bytes, and the
+# candidate tiles, in short runs, cost a little more than their share of it)
+MAX_TILE_FRACTION = 0.25
 # steps of more logit rows run the whole head: the 4-bit kernel computes more per byte than the 8-bit one,
 # and at 8 rows the shadow took longer than the head it replaces (docs/cpu_speed.md)
 MAX_ROWS = 4
@@ -113,22 +115,12 @@ class BoundedHead:
         self.consts = _round_up(consts).contiguous()
         self.shadow = QuantizedLinear("int4", torch.cat(codes), torch.cat(scales), torch.cat(mins), None, K)
         self.max_tiles = max(1, int(MAX_TILE_FRACTION * -(-V // TILE_ROWS)))
-        fmt, tiles = segments(head.qweight)[0] if head.fmt == "native" else (None, head.qweight)
-        self._fmt, self._rows = fmt, _as_words(tiles.reshape(tiles.shape[0], -1))
-        self._tile_shape = tiles.shape[1:]
         self.calls = self.whole_head = self.tiles_read = 0
         self.huge_pages: torch.Tensor | None = None  # the shadow's huge-page mapping, where build made one
 
     def shadow_bytes(self) -> int:
         """What the bounded head keeps besides the head: the shadow's tiles, C, the constants and U."""
         return sum(t.numel() * t.element_size() for t in (self.shadow.qweight, self.C, self.consts, self.U))
-
-    def _tiles(self, idx: torch.Tensor) -> torch.Tensor:
-        """The head's tiles idx as one weight the kernels take."""
-        picked = self._rows.index_select(0, idx).view(torch.uint8)
-        if self._fmt is None:
-            return picked.view(idx.numel(), *self._tile_shape)
-        return segmented(self.width, [(self._fmt, picked)])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """Logits of rows x [M, K] (float32, contiguous) for their argmax: the head's own values in the
@@ -142,7 +134,7 @@ class BoundedHead:
             self.whole_head += 1
             return None
         self.tiles_read += idx.numel()
-        y = self._ext.qlinear(x, self._tiles(idx), None)
+        y = self._ext.qlinear_tiles(x, self.head.qweight, idx)
         cols = (idx[:, None] * TILE_ROWS + torch.arange(TILE_ROWS)).reshape(-1)
         out = torch.full((x.shape[0], self.vocab), -math.inf)
         if int(cols[-1]) >= self.vocab:  # the last tile's padding rows
@@ -150,15 +142,6 @@ class BoundedHead:
             cols, y = cols[keep], y[:, keep]
         out.index_copy_(1, cols, y)
         return out
-
-
-def _as_words(rows: torch.Tensor) -> torch.Tensor:
-    """uint8 rows [n, bytes] viewed in the widest integers their length divides (index_select copies whole
-    elements: 8-byte ones copy a tile several times faster than bytes)."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if rows.shape[1] % dtype.itemsize == 0:
-            return rows.view(dtype)
-    return rows
 
 
 def eligible(model: torch.nn.Module) -> bool:
