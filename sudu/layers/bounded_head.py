@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 RANK = 16  # principal directions of the hidden states that C corrects for
 SLICE_ROWS = 8192  # head rows dequantized at a time while building
 MIN_VOCAB = 4096  # smaller heads are not worth a shadow
-MIN_BYTES_PER_WEIGHT = 0.8  # heads of 6.5 bits and up (Q6_K, Q8_0, int8); a 4-bit shadow of fewer saves little
+# 8-bit heads (Q8_0, int8): the 1.5B's Q6_K head (6.56 bits) ran 0.981 and 1.025 of the whole head's steps
+# at batch 1 and 2, its shadow saving too few bytes (docs/cpu_speed.md)
+MIN_BYTES_PER_WEIGHT = 1.0
 # more candidate tiles than this: the whole head instead (the shadow reads 0.59 of the head's bytes, and the
 # candidate tiles, in short runs, cost a little more than their share of it)
 MAX_TILE_FRACTION = 0.25
