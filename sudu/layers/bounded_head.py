@@ -163,12 +163,14 @@ def build(model: torch.nn.Module, hidden_of) -> BoundedHead | None:
     """A BoundedHead for model's output head where `eligible`, else None. hidden_of(): the final hidden states
     of a calibration text [n, K]."""
     from sudu.engine.huge_pages import move_to_huge_pages
+    from sudu.engine.memory import release_freed_memory
 
     if not eligible(model):
         return None
     bounded = BoundedHead(model.lm_head, hidden_of())
     # the shadow streams every greedy step, as the weights do: into huge pages like them
     bounded.huge_pages = move_to_huge_pages(bounded.shadow)[1]
+    release_freed_memory()  # the build's temporaries (the calibration pass, the dequantized slices)
     log.info("greedy rows read a 4-bit shadow of the output head (%.0f MB besides its %.0f MB), then only the "
              "head's tiles that can hold their argmax", bounded.shadow_bytes() / 1e6, model.lm_head.weight_bytes() / 1e6)
     return bounded
