@@ -32,13 +32,13 @@ import torch
 
 from sudu import kernels
 from sudu.layers.gguf_native import segments
-from sudu.layers.linear import TILE_ROWS, QuantizedLinear, dequantize_torch, quantize_int4
+from sudu.layers.linear import TILE_BLOCK_BYTES, TILE_ROWS, QuantizedLinear, dequantize_torch, pack, quantize_int4
 from sudu.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 RANK = 16  # principal directions of the hidden states that C corrects for
-SLICE_ROWS = 8192  # head rows dequantized at a time while building
+SLICE_ROWS = 2048  # head rows dequantized at a time while building (its float64 temporaries: ~15 MB each)
 MIN_VOCAB = 4096  # smaller heads are not worth a shadow
 # 8-bit heads (Q8_0, int8): the 1.5B's Q6_K head (6.56 bits) ran 0.981 and 1.025 of the whole head's steps
 # at batch 1 and 2, its shadow saving too few bytes (docs/cpu_speed.md)
@@ -96,15 +96,13 @@ class BoundedHead:
         u = self.U.double()
         self.C = torch.empty(V, rank)
         consts = torch.empty(3, V, dtype=torch.float64)
-        codes, scales, mins = [], [], []
+        shadow = torch.empty(-(-V // TILE_ROWS), K // 32, TILE_BLOCK_BYTES["int4"], dtype=torch.uint8)
         slack = rounding_slack(K)
         for n0 in range(0, V, SLICE_ROWS):
             n1 = min(V, n0 + SLICE_ROWS)
             w = head._slice_dequantized(n0, n1)
             q, s, m = quantize_int4(w)
-            codes.append(q)
-            scales.append(s)
-            mins.append(m)
+            shadow[n0 // TILE_ROWS:-(-n1 // TILE_ROWS)] = pack("int4", q, s, m, 32)
             s4 = dequantize_torch("int4", q, s, m, 32)
             r = w.double() - s4.double()
             c = r @ u
@@ -115,7 +113,7 @@ class BoundedHead:
         # C's float32 rounding: |C_j . z| is bounded through |C_j| (stage 1) and computed from the rounded C_j
         # (stage 2), whose difference is within the slack's factor 2
         self.consts = _round_up(consts).contiguous()
-        self.shadow = QuantizedLinear("int4", torch.cat(codes), torch.cat(scales), torch.cat(mins), None, K)
+        self.shadow = QuantizedLinear("int4", shadow, None, None, None, K, out_features=V)
         self.max_tiles = max(1, int(MAX_TILE_FRACTION * -(-V // TILE_ROWS)))
         self.calls = self.whole_head = self.tiles_read = 0
         self.huge_pages: torch.Tensor | None = None  # the shadow's huge-page mapping, where build made one
