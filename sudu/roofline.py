@@ -7,7 +7,9 @@ median of several, right after each format's decode measurement, since a VM's ba
 the run), counts the bytes a decode step reads per weight format (every linear layer incl. lm_head at
 that format's bytes per weight, plus one embedding row, norms and biases; the KV cache is left out: at
 the short contexts measured here it is well under 1% of the weights), and sets next to each limit the
-decode tok/s sudu's engine achieves (greedy, ignore_eos, one stream) and the fraction of the limit.
+decode tok/s sudu's engine achieves (greedy, ignore_eos, one stream) and the fraction of the limit. Each
+format is measured with the whole output head (--greedy-head full), and, where the bounded head serves
+(layers/bounded_head.py), again as greedy decoding runs by default, against the bytes it reads instead.
 """
 from __future__ import annotations
 
@@ -73,8 +75,9 @@ def parameter_counts(model_config) -> tuple[int, int, int]:
     return linear, model_config.hidden_size, other
 
 
-def native_linear_bytes(ckpt) -> float:
-    """Bytes of the linear layers (incl. lm_head) as `native` runs them: the file's own bytes per tensor."""
+def native_linear_bytes(ckpt, only: str | None = None) -> float:
+    """Bytes of the linear layers (incl. lm_head) as `native` runs them: the file's own bytes per tensor
+    (only: that one layer's)."""
     from sudu.layers.gguf_native import native_blocks
     from sudu.models import build_model
 
@@ -82,10 +85,18 @@ def native_linear_bytes(ckpt) -> float:
         model = build_model(ckpt.config)
     total = 0.0
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and only in (None, name):
             qt = native_blocks(ckpt, name, m)
             total += qt.blocks.nbytes if qt is not None else m.weight.numel() * FORMATS["int8"][1]
     return total
+
+
+def lm_head_bytes(model_config, fmt: str, ckpt=None) -> float:
+    """Bytes of the output head in format fmt (native: from ckpt's tensor)."""
+    _, per_linear, _ = FORMATS[fmt]
+    if per_linear is None:
+        return native_linear_bytes(ckpt, only="lm_head")
+    return model_config.vocab_size * model_config.hidden_size * per_linear
 
 
 def bytes_per_token(model_config, fmt: str, ckpt=None) -> float:
@@ -96,19 +107,31 @@ def bytes_per_token(model_config, fmt: str, ckpt=None) -> float:
     return linear_bytes + (embed_row + other) * per_other
 
 
-def measure_decode_tok_s(model: str, fmt: str, max_tokens: int = 64, threads: int = 2) -> float:
-    """Single-stream greedy decode speed of sudu's engine: (tokens - 1) / (last token - first token)."""
+def measure_decode(model: str, fmt: str, max_tokens: int = 64, threads: int = 2,
+                   greedy_head: str = "full") -> tuple[float, float | None]:
+    """Single-stream greedy decode speed of sudu's engine, (tokens - 1) / (last token - first token), and with
+    greedy_head auto the bytes a token's output head read through the bounded head on average (the shadow and
+    its constants, the candidate tiles, the whole head where it ran instead; None where there is none)."""
     from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
 
     settings, _, _ = FORMATS[fmt]
-    llm = LLM(model, speculative="none", progress=False, num_threads=threads, **settings)
+    llm = LLM(model, speculative="none", progress=False, num_threads=threads, greedy_head=greedy_head, **settings)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    bounded = llm.engine.runner.bounded_head
+    if bounded is not None:
+        bounded.calls = bounded.whole_head = bounded.tiles_read = 0
     result = llm.generate(PROMPT + " ", params)[0]
     m = result.metrics
     n = len(result.token_ids)
-    return (n - 1) / (m.finished_time - m.first_token_time)
+    head_bytes = None
+    if bounded is not None and bounded.calls:
+        whole = llm.engine.runner.model.lm_head.weight_bytes()
+        tile = whole / -(-bounded.vocab // 16)
+        read = bounded.calls * bounded.shadow_bytes() + bounded.whole_head * whole + bounded.tiles_read * tile
+        head_bytes = read / bounded.calls
+    return (n - 1) / (m.finished_time - m.first_token_time), head_bytes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,15 +148,24 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"decode roofline: {ckpt.path.name}, {args.threads} threads; bandwidth measured "
                         f"right after each format's decode")
     for col in ("format", "MB read / token", "bandwidth GB/s", "limit tok/s", "sudu tok/s", "fraction of limit"):
-        table.add_column(col, justify="right")
-    for fmt in formats:
-        nbytes = bytes_per_token(ckpt.config, fmt, ckpt)
-        achieved = measure_decode_tok_s(args.model, fmt, args.max_tokens, args.threads) if not args.no_measure else None
+        table.add_column(col, justify="right", no_wrap=col == "format")
+    def row(name: str, nbytes: float, achieved: float | None) -> None:
         bandwidth_gbs = measure_bandwidth_gbs(threads=args.threads)
         limit = bandwidth_gbs * 1e9 / nbytes
-        table.add_row(fmt, f"{nbytes / 1e6:.0f}", f"{bandwidth_gbs:.1f}", f"{limit:.1f}",
+        table.add_row(name, f"{nbytes / 1e6:.0f}", f"{bandwidth_gbs:.1f}", f"{limit:.1f}",
                       "-" if achieved is None else f"{achieved:.1f}",
                       "-" if achieved is None else f"{achieved / limit:.0%}")
+
+    for fmt in formats:
+        nbytes = bytes_per_token(ckpt.config, fmt, ckpt)
+        if args.no_measure:
+            row(fmt, nbytes, None)
+            continue
+        row(fmt, nbytes, measure_decode(args.model, fmt, args.max_tokens, args.threads)[0])
+        # the default greedy path: where the bounded head serves, its own bytes in place of the head's
+        achieved, head_bytes = measure_decode(args.model, fmt, args.max_tokens, args.threads, greedy_head="auto")
+        if head_bytes is not None:
+            row(f"{fmt}, bounded head", nbytes - lm_head_bytes(ckpt.config, fmt, ckpt) + head_bytes, achieved)
     Console().print(table)
     return 0
 
