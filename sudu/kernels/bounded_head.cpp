@@ -175,7 +175,7 @@ torch::Tensor head_candidates(torch::Tensor x, torch::Tensor approx, torch::Tens
   std::vector<int64_t> tiles;
   for (int64_t i = 0; i < int64_t(hit.size()); ++i)
     if (hit[i]) tiles.push_back(i);
-  if (tiles.empty() || int64_t(tiles.size()) > max_tiles) return none;
+  if (tiles.empty()) return none;
   auto out = torch::empty({int64_t(tiles.size())}, torch::dtype(torch::kLong));
   std::copy(tiles.begin(), tiles.end(), out.data_ptr<int64_t>());
   return out;
