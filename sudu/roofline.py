@@ -8,8 +8,9 @@ the run), counts the bytes a decode step reads per weight format (every linear l
 that format's bytes per weight, plus one embedding row, norms and biases; the KV cache is left out: at
 the short contexts measured here it is well under 1% of the weights), and sets next to each limit the
 decode tok/s sudu's engine achieves (greedy, ignore_eos, one stream) and the fraction of the limit. Each
-format is measured with the whole output head (--greedy-head full), and, where the bounded head serves
-(layers/bounded_head.py), again as greedy decoding runs by default, against the bytes it reads instead.
+format is measured as greedy decoding runs by default; where the bounded head serves it
+(layers/bounded_head.py), that row counts the bytes it reads instead of the head's, and a second run with
+the whole head (--greedy-head full) gives the format's own row.
 """
 from __future__ import annotations
 
