@@ -131,3 +131,20 @@ def test_bad_input_is_one_line_and_nonzero(flags, message, capsys):
     assert sudu_cli.main(["bench", "determinism", "--no-progress", *url, *flags]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_a_local_server_that_never_gets_healthy_is_stopped(tmp_path, monkeypatch):
+    """No --url and a server that stays unhealthy past --server-timeout: one-line error, and the process
+    bench started is not left running (it was, when the wait gave up before start() returned)."""
+    import subprocess
+    import sys
+
+    from sudu.bench import local_server
+
+    monkeypatch.setattr(local_server, "serve_command",
+                        lambda port, model, extra="": [sys.executable, "-c", "import time; time.sleep(60)"])
+    procs = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(local_server.subprocess, "Popen", lambda *a, **kw: procs.append(real_popen(*a, **kw)) or procs[-1])
+    assert sudu_cli.main(["bench", "determinism", "--no-progress", "--server-timeout", "1", "--out", str(tmp_path)]) == 1
+    assert procs and procs[0].poll() is not None
