@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sudu.engine.model_runner import kv_bytes_per_token
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.sampling import SamplingParams
 
 # name: (layers, heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)

@@ -52,7 +52,7 @@ class EngineConfig:
     # the Python API), auto = min(10 GiB, 20% of the free space) (`sudu serve`'s default), or bytes (8GiB)
     disk_cache_size: str = "0"
     disk_cache_dir: str | None = None  # None -> $SUDU_HOME/kvcache
-    # auto | none | ngram | draft:MODEL | mtp (engine/speculative.py). auto: n-gram lookup for greedy requests
+    # auto | none | ngram | draft:MODEL | mtp (engine/spec/). auto: n-gram lookup for greedy requests
     # where it is lossless (the CPU kernels: native, int8 or int4 weights), else none
     speculative: str = "auto"
     # most draft tokens per sequence per step (adapted per sequence); 0 = the drafter's own default:

@@ -143,7 +143,7 @@ def test_quantized_tiny_model_matches_its_dequantized_weights(fmt, atol):
 def test_q8_0_blocks_are_copied_not_requantized(tmp_path):
     """A GGUF checkpoint: Q8_0 tensors become int8 holding the file's values exactly; another type (Q4_0) is
     quantized from its loaded floats, as quantize_model does; int4 quantizes everything from floats."""
-    from sudu.engine.model_runner import load_network
+    from sudu.engine.network import load_network
     from sudu.weights.loader import load_checkpoint
     from tests.test_gguf import write_tiny_gguf
 

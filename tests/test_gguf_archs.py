@@ -172,7 +172,7 @@ def test_deepseek_mtp_layers_are_left_out(tmp_path):
     block_count, named by nextn_predict_layers) is not part of the network and does not break loading."""
     from safetensors.torch import load_file, save_file
 
-    from sudu.engine.model_runner import load_network
+    from sudu.engine.network import load_network
 
     hf_dir = save_tiny_model(tmp_path / "hf", "deepseek_v3", seed=3)
     file = hf_dir / "model.safetensors"
@@ -191,7 +191,7 @@ def test_deepseek_mtp_layers_are_left_out(tmp_path):
 
 
 def test_unknown_architecture_and_missing_tensors_are_one_line(tmp_path):
-    from sudu.engine.model_runner import load_network
+    from sudu.engine.network import load_network
 
     hf_dir = save_tiny_model(tmp_path / "hf", "qwen3moe", seed=3)
     write_gguf_like_llama_cpp(hf_dir, tmp_path / "m.gguf", "qwen3moe")

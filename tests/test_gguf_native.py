@@ -191,7 +191,7 @@ def test_bad_segmented_tensors_are_refused():
 def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):
     """quantize_model(native) on a GGUF: each linear layer holds its tensor's own blocks (dequantized, the
     file's values exactly); float tensors become int8, and the log says so."""
-    from sudu.engine.model_runner import load_network
+    from sudu.engine.network import load_network
     from sudu.weights.gguf import dequantize
     from sudu.weights.loader import load_checkpoint
     from tests.test_gguf import write_tiny_gguf

@@ -1,4 +1,4 @@
-"""Weights in huge pages (engine/huge_pages.py): every large storage moves into one mapping, tensors that
+"""Weights in huge pages (host/huge_pages.py): every large storage moves into one mapping, tensors that
 shared a storage still share it, views keep their offsets, the old storages are freed, and the network
 computes the same values. The decode speed this buys is measured by benchmarks/huge_pages.py."""
 import gc
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from sudu.engine import huge_pages
+from sudu.host import huge_pages
 
 THP = huge_pages.huge_page_size()
 

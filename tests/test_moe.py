@@ -8,7 +8,7 @@ import torch
 
 from sudu.layers.linear import quantize_model
 from sudu.layers.moe import Router, SparseMoE
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 
 
 def moe_config(**kw) -> ModelConfig:

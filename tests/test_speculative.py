@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sudu.engine.llm import LLM
-from sudu.engine.speculative import Draft, NgramDrafter, verify_draft
+from sudu.engine.spec.ngram import NgramDrafter
+from sudu.engine.spec.verify import Draft, verify_draft
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
 from sudu.layers.sampler import SamplingRow
@@ -109,7 +110,7 @@ def test_acceptance_is_reported_per_request(engines):
 def test_draft_length_defaults_per_drafter():
     """num_speculative_tokens = 0 (the default) takes the drafter's measured default; a setting wins."""
     from sudu.config import EngineConfig
-    from sudu.engine.speculative import DEFAULT_DRAFT_LEN, draft_len
+    from sudu.engine.spec.controller import DEFAULT_DRAFT_LEN, draft_len
 
     assert draft_len(EngineConfig(speculative="ngram")) == DEFAULT_DRAFT_LEN["ngram"] == 7
     assert draft_len(EngineConfig(speculative="draft:qwen2.5-coder-0.5b-instruct")) == DEFAULT_DRAFT_LEN["draft"] == 4
@@ -128,7 +129,7 @@ def test_the_default_drafts_n_gram_for_greedy_requests_on_the_cpu_kernels(tiny_m
     decoding sequences, for greedy requests only (a seeded sampled request draws as it does without
     speculation); float weights and CUDA get none; explicit settings stand."""
     from sudu.config import EngineConfig
-    from sudu.engine.speculative import resolve
+    from sudu.engine.spec.controller import resolve_drafter as resolve
 
     auto, cpu = EngineConfig(), torch.device("cpu")
     assert auto.speculative == "auto"

@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from sudu.cluster.registry import router_for
+from sudu.cluster.registry import PREFILL_APP_NAME, router_for
 from sudu.engine.llm_engine import LLMEngine
 from sudu.structured.backend import GrammarBackend
 from sudu.engine.outputs import RequestOutput
@@ -180,8 +180,6 @@ class ClusterEngine:
 
     def replicas(self) -> dict:
         """Running and target replicas of the deployment (Serve's controller view)."""
-        from sudu.cluster.serve import PREFILL_APP_NAME
-
         apps = serve.status().applications
         running = 0
         for name in (self.app_name, PREFILL_APP_NAME) if self.prefill is not None else (self.app_name,):

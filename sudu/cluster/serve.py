@@ -13,12 +13,12 @@ import os
 
 from fastapi import FastAPI
 
+from sudu.cluster.registry import PREFILL_APP_NAME
 from sudu.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "sudu"
-PREFILL_APP_NAME = "sudu-prefill"
 DEPLOYMENT_NAME = "engine"
 ROUTING_STATS_PERIOD_S = 1.0  # how often each replica reports its cache summary to the router
 HEALTH_TIMEOUT_S = 5.0

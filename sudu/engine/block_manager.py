@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from sudu.cache.block_hash import HASH_BYTES, block_hash
+from sudu.cache.block_io import KVBlockIO
+from sudu.cache.context import engine_namespace, open_disk_store
 from sudu.cache.disk_store import DiskStats
 from sudu.engine.sequence import Sequence
 
@@ -418,3 +420,14 @@ class BlockManager:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
+
+def build_block_manager(config, ckpt, weight_format: str, runner):
+    """The engine's block manager with its context cache: ids rooted in this engine's namespace, and the
+    disk tier when config asks for one (and the directory can hold it)."""
+    namespace, description = engine_namespace(config, ckpt.config, ckpt.path, weight_format, runner.kv_caches,
+                                              runner.dtype, runner.device)
+    block_io = KVBlockIO(runner.kv_caches, runner.ring_layers, config.block_size)
+    disk = open_disk_store(config, namespace, block_io.nbytes, description) if config.enable_prefix_caching else None
+    return BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                        sliding=runner.sliding_blocks, namespace=namespace, disk=disk, block_io=block_io)

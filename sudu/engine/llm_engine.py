@@ -15,18 +15,21 @@ from dataclasses import dataclass, field
 import torch
 
 from sudu.config import EngineConfig
-from sudu.cache.context import build_block_manager
 from sudu.cuda.invariance import check_speculation
-from sudu.engine import kv_choice, speculative
-from sudu.engine.model_runner import ModelRunner, prepare_network
+from sudu.engine import kv_choice
+from sudu.engine.model_runner import ModelRunner
+from sudu.engine.network import prepare_network
 from sudu.engine.placement import resolve_device, resolve_dtype
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from sudu.engine.request import CheckedRequest
 from sudu.engine.scheduler import ScheduledSeq, Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
-from sudu.engine.memory import memory_report, release_freed_memory, rss_bytes
-from sudu.engine.speculative import Draft, Speculator
+from sudu.engine.block_manager import build_block_manager
+from sudu.engine.memory import memory_report
+from sudu.host.memory import release_freed_memory, rss_bytes
+from sudu.engine.spec.controller import Speculator, resolve_drafter
+from sudu.engine.spec.verify import Draft
 from sudu.layers.device_sampler import DeviceSampler
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
@@ -98,7 +101,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
-        drafter = speculative.resolve(config, self.runner.device, self.quantization)
+        drafter = resolve_drafter(config, self.runner.device, self.quantization)
         on_device = self.runner.device.type != "cpu"
         if drafter != "none" and on_device:  # lossless there only where measured so (cuda/invariance.py)
             check_speculation(self.runner)

@@ -155,21 +155,18 @@ def _native_embedding(model: torch.nn.Module, ckpt, tied_head) -> bool:
     return True
 
 
-def native_tensor_names(ckpt, model_config) -> frozenset[str]:
+def native_tensor_names(ckpt, meta_model: torch.nn.Module) -> frozenset[str]:
     """The checkpoint tensors quantize_native will run from their blocks (every nn.Linear weight and the token
-    embedding whose file type has a kernel), found on a meta-device build of the network: the loader need
-    not dequantize them (Checkpoint.tensors placeholders). Empty without the native kernels (quantize_native
-    then keeps float weights)."""
+    embedding whose file type has a kernel), found on a meta-device build of the network (the caller builds
+    it: layers never build a model): the loader need not dequantize them (Checkpoint.tensors placeholders).
+    Empty without the native kernels (quantize_native then keeps float weights)."""
     from torch import nn
 
     from sudu import kernels
-    from sudu.models import build_model
 
     if getattr(ckpt, "format", None) != "gguf" or kernels.load() is None:
         return frozenset()
-    with torch.device("meta"):
-        model = build_model(model_config)
-    return frozenset(f"{name}.weight" for name, m in model.named_modules()
+    return frozenset(f"{name}.weight" for name, m in meta_model.named_modules()
                      if isinstance(m, (nn.Linear, nn.Embedding)) and native_blocks(ckpt, name, m) is not None)
 
 

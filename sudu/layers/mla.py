@@ -28,7 +28,7 @@ from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import apply_rotary, yarn_mscale
 
 if TYPE_CHECKING:
-    from sudu.models.config import ModelConfig
+    from sudu.model_config import ModelConfig
 
 
 def _fold_heads_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:

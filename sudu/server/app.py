@@ -31,7 +31,7 @@ from sudu.server.routes import api_routes, open_routes
 
 logger = logging.getLogger("sudu.server")
 
-LOAD_THREAD = "sudu-load-model"  # the thread loading the model (server/cli.py checks it at exit)
+LOAD_THREAD = "sudu-load-model"  # the thread loading the model (commands/serve.py checks it at exit)
 
 
 @dataclass

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sudu.errors import SuduError
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # What sudu dequantizes; the first group is what the catalog models contain.
