@@ -20,7 +20,8 @@ from sudu.engine import kv_choice
 from sudu.engine.model_runner import ModelRunner
 from sudu.engine.network import prepare_network
 from sudu.engine.placement import resolve_device, resolve_dtype
-from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from sudu.engine.output import check_end, check_stop, split_stop_text, token_logprob
+from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sudu.engine.request import CheckedRequest
 from sudu.engine.scheduler import ScheduledSeq, Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
@@ -407,36 +408,24 @@ class LLMEngine:
         self.block_manager.commit(seq)
 
     def _append_token(self, seq: Sequence, tok) -> None:
-        p = seq.params
         token = tok.token_id
         if seq.grammar is not None and token not in self.eos_token_ids and not seq.grammar.consume_token(token):
             raise RuntimeError(f"token {token} breaks the grammar: {seq.grammar.get_error()}")
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
-        if p.logprobs is not None:
-            decode = self.tokenizer.decode
-            seq.new_logprobs.append(TokenLogprob(
-                token, decode([token], skip_special_tokens=False), tok.logprob,
-                [(t, decode([t], skip_special_tokens=False), lp) for t, lp in (tok.top or [])],
-            ))
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return self._finish(seq, "stop", token)
-        text = seq.pending_text + seq.detokenizer.add([token])
-        seq.pending_text = ""
-        if p.stop:
-            hit = min(((text.find(s), s) for s in p.stop if s in text), default=None)
-            if hit is not None:
-                seq.new_text += text[: hit[0]]
-                return self._finish(seq, "stop", hit[1], flush=False)
-            hold = _stop_prefix_len(text, p.stop)
-            seq.new_text += text[: len(text) - hold]
-            seq.pending_text = text[len(text) - hold:]
-        else:
-            seq.new_text += text
-        if seq.num_tokens >= seq.max_total_tokens:
-            self._finish(seq, "length", None)
-        elif seq.grammar is not None and seq.grammar.is_stopped():  # complete: only end-of-sequence could follow
-            self._finish(seq, "stop", None)
+        if seq.params.logprobs is not None:
+            seq.new_logprobs.append(token_logprob(self.tokenizer.decode, token, tok.logprob, tok.top))
+        stop = check_stop(token, seq.params, self.eos_token_ids)
+        if stop is not None:
+            return self._finish(seq, *stop)
+        split = split_stop_text(seq.pending_text + seq.detokenizer.add([token]), seq.params.stop)
+        seq.new_text += split.emit
+        seq.pending_text = split.held
+        if split.hit is not None:
+            return self._finish(seq, "stop", split.hit, flush=False)
+        end = check_end(seq.num_tokens, seq.max_total_tokens, seq.grammar is not None and seq.grammar.is_stopped())
+        if end is not None:
+            self._finish(seq, *end)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, flush: bool = True) -> None:
         if flush:
@@ -505,13 +494,3 @@ class LLMEngine:
             "memory_kv_pool_bytes": self.memory["memory_kv_pool_bytes"],
             "memory_rss_bytes": rss_bytes(),
         }
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of text that is the start of some stop string (held back)."""
-    longest = min(len(text), max(len(s) for s in stops) - 1)
-    for k in range(longest, 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return k
-    return 0
