@@ -9,7 +9,7 @@ import torch
 from sudu.engine.llm import LLM
 from sudu.errors import RequestTooLongError
 from sudu.sampling import SamplingParams
-from tests.tiny_models import build_hf_model
+from tests.helpers.tiny_models import build_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

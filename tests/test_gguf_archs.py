@@ -15,7 +15,7 @@ from sudu.errors import SuduError
 from sudu.tokenizer import byte_to_unicode
 from sudu.weights import gguf as G
 from sudu.weights.loader import load_checkpoint
-from tests.tiny_models import VOCAB_SIZE, save_tiny_model
+from tests.helpers.tiny_models import VOCAB_SIZE, save_tiny_model
 
 GGUF_ARCH = {"qwen3": gguf.MODEL_ARCH.QWEN3, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
              "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA,

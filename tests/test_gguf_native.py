@@ -194,7 +194,7 @@ def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):
     from sudu.engine.model_runner import load_network
     from sudu.weights.gguf import dequantize
     from sudu.weights.loader import load_checkpoint
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "m.gguf", "qwen2")
     write_tiny_gguf(tmp_path / "tied.gguf", "qwen2", tied=True)
@@ -228,7 +228,7 @@ def test_auto_runs_a_quantized_gguf_natively_and_speculation_stays_lossless(tmp_
 
     from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")
@@ -265,7 +265,7 @@ def test_native_weights_are_not_dequantized_at_load_and_none_is_left_unwritten(t
     from sudu.engine.llm import LLM
     from sudu.errors import SuduError
     from sudu.weights import gguf as gguf_weights
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")

@@ -19,7 +19,7 @@ from sudu import kernels
 from sudu.engine.llm import LLM
 from sudu.layers import linear as L
 from sudu.sampling import SamplingParams
-from tests.tiny_models import build_hf_model
+from tests.helpers.tiny_models import build_hf_model
 
 ATOL = 1e-4
 

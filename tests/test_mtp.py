@@ -16,7 +16,7 @@ from sudu.engine.llm import LLM
 from sudu.errors import SuduError
 from sudu.sampling import SamplingParams
 from tests.test_speculative import assert_second_token_keeps_the_target_distribution
-from tests.tiny_models import save_tiny_model
+from tests.helpers.tiny_models import save_tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

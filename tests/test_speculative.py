@@ -13,7 +13,7 @@ from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
 from sudu.layers.sampler import SamplingRow
 from sudu.sampling import SamplingParams
-from tests.tiny_models import save_tiny_model
+from tests.helpers.tiny_models import save_tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
