@@ -2,7 +2,7 @@
 bench starts `sudu serve`, waits for /health, runs, stops it): cold requests observe 0 cached tokens,
 warm and shared-prefix ones observe them, and no cache state is flagged; the report carries sudu's
 timing breakdown."""
-from tests.test_bench_cli import _report, run_cli
+from tests.helpers.bench_cli import read_report, run_cli
 
 
 def test_cache_states_observed_on_sudu_serve(tiny_model_dirs, tmp_path):
@@ -10,7 +10,7 @@ def test_cache_states_observed_on_sudu_serve(tiny_model_dirs, tmp_path):
     code = run_cli(["cache", "--model", model, "--lengths", "60", "-n", "3", "--max-tokens", "4",
                     "--out", str(tmp_path), "--no-html", "--server-timeout", "300"])
     assert code == 0
-    _, rep = _report(tmp_path, "cache")
+    _, rep = read_report(tmp_path, "cache")
     groups = {g["cache_state"]: g for g in rep["groups"]}
     assert groups["cold"]["observed_cache"]["mean_cached_tokens"] == 0
     assert groups["warm"]["observed_cache"]["mean_cached_tokens"] >= 48

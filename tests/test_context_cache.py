@@ -22,7 +22,7 @@ from sudu.cache import disk_store as DS
 from sudu.cache.block_hash import block_hash, make_namespace, prefix_hashes
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
-from tests.test_engine import GREEDY, prompts_of, reference_greedy
+from tests.helpers.greedy import GREEDY, prompts_of, reference_greedy
 from tests.helpers.tiny_models import build_hf_model
 
 PARAMS = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)

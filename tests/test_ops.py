@@ -7,7 +7,7 @@ from sudu import kernels
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, apply_rotary, rotate_heads_
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 
 def g(seed):

@@ -21,9 +21,10 @@ def expected_bytes(path) -> dict[str, float]:
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     embedding = tensors["token_embd.weight"]
     heads = [tensors.get("output.weight", embedding)]  # tied: the head reads the token table
-    linear = [t for name, t in tensors.items() if name.split(".")[-2] in LINEAR] + heads
+    is_linear = {name: name.endswith(".weight") and name.split(".")[-2] in LINEAR for name in tensors}  # not biases
+    linear = [t for name, t in tensors.items() if is_linear[name]] + heads
     other = sum(int(t.n_elements) for name, t in tensors.items()
-                if name.split(".")[-2] not in LINEAR and name not in ("output.weight", "token_embd.weight"))
+                if not is_linear[name] and name not in ("output.weight", "token_embd.weight"))
     row = int(embedding.shape[0])  # gguf shapes are innermost first: [hidden, vocab]
     weights = sum(int(t.n_elements) for t in linear)
     out = {fmt: weights * per_linear + (row + other) * per_other
