@@ -273,7 +273,7 @@ class Tokenizer:
         if len(text) < _GIL_FREE_MIN_CHARS:
             encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
         else:
-            # encode_batch runs without the GIL (encode holds it: ~2 s per MB of text), so a long prompt
+            # encode_batch runs without the GIL (encode holds it for the whole text), so a long prompt
             # tokenized in a worker thread never stalls the server's event loop or the engine thread
             encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if max_tokens is not None and len(encoding) > max_tokens:
@@ -405,7 +405,7 @@ _BACKEND_CACHE_VERSION = "2"  # bump when the way a backend is built from metada
 
 
 def _cached_backend(inputs: tuple, build) -> RustTokenizer:
-    """SentencePiece merges are rebuilt from the vocabulary (~3 s for Gemma's 262k tokens); the result is
+    """SentencePiece merges are rebuilt from the vocabulary (seconds for Gemma's 262k tokens); the result is
     cached as tokenizer.json under $SUDU_HOME/tokenizers, keyed by a hash of everything the build reads."""
     digest = hashlib.sha256(_BACKEND_CACHE_VERSION.encode())
     for part in inputs:

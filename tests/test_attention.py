@@ -9,7 +9,7 @@ from sudu import kernels
 from sudu.layers import attention as A
 from sudu.layers.kv_cache import make_kv_cache
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 
 def scenario(kind: str, heads=6, kv_heads=2, head_dim=24, window=None, seed=0):

@@ -11,7 +11,7 @@ from sudu.bench.client import RequestRecord
 from sudu.bench.conversation import ConversationOptions, make_sessions, run_conversation, summarize
 from sudu.bench.fake_server import FakeServer, chat_script
 from sudu.bench.suites import Ctx, Run
-from tests.test_bench_cli import run_cli
+from tests.helpers.bench_cli import run_cli
 
 
 class PrefixCacheServer:

@@ -13,10 +13,10 @@ from sudu.layers import bounded_head as B
 from sudu.layers import gguf_native
 from sudu.layers import linear as L
 from sudu.sampling import SamplingParams
-from tests.test_gguf_native import isas, random_tensor
+from tests.helpers.native_blocks import isas, random_tensor
 
 ext = kernels.load()
-pytestmark = pytest.mark.skipif(ext is None, reason="native kernels unavailable")
+pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 V, K = 2048, 256
 

@@ -25,7 +25,7 @@ from sudu.cuda import quant_linear as Q  # noqa: E402
 from sudu.engine.placement import check_supported  # noqa: E402
 from sudu.errors import SuduError  # noqa: E402
 from sudu.layers import linear as L  # noqa: E402
-from tests.tiny_models import build_hf_model  # noqa: E402
+from tests.helpers.tiny_models import build_hf_model  # noqa: E402
 
 DEVICE = "cpu" if interpreted() else "cuda"
 ATOL = 1e-5
@@ -145,7 +145,7 @@ def test_q8_0_blocks_are_copied_not_requantized(tmp_path):
     quantized from its loaded floats, as quantize_model does; int4 quantizes everything from floats."""
     from sudu.engine.network import load_network
     from sudu.weights.loader import load_checkpoint
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     values = write_tiny_gguf(path, "qwen2")

@@ -5,7 +5,7 @@ import pytest
 from sudu.engine.spec import cost as draft_cost
 from sudu.engine.spec.cost import Acceptance, StepCost, keep_lengths
 from sudu.sampling import SamplingParams
-from tests.test_speculative import GREEDY, engines, draft_dir, prompts  # noqa: F401 -- fixtures
+from tests.helpers.speculative import GREEDY, engines, draft_dir, prompts  # noqa: F401 -- fixtures
 
 
 def test_step_cost_fits_the_row_cost_and_refuses_alike_rows():

@@ -9,10 +9,10 @@ from sudu import kernels
 from sudu.layers import gguf_native
 from sudu.layers import linear as L
 from sudu.layers.mlp import GatedMLP
-from tests.test_gguf_native import isas, random_tensor
+from tests.helpers.native_blocks import isas, random_tensor
 
 ext = kernels.load()
-pytestmark = pytest.mark.skipif(ext is None, reason="native kernels unavailable")
+pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 # decode, speculation, the 8-row kernel's edge, prompt chunks below and above the once-per-tile unpacking
 ROWS = (1, 3, 8, 9, 64, 70)

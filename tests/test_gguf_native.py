@@ -10,27 +10,10 @@ import torch
 from sudu import kernels
 from sudu.layers import gguf_native, linear
 from sudu.weights.gguf import QuantizedTensor
+from tests.helpers.native_blocks import BLOCKS, isas, random_tensor
 
 ext = kernels.load()
-pytestmark = pytest.mark.skipif(ext is None, reason="native kernels unavailable")
-
-# bytes per block and the offsets of its float16 fields (d, and dmin / m)
-BLOCKS = {"Q8_0": (32, 34, [0]), "Q4_0": (32, 18, [0]), "Q4_1": (32, 20, [0, 2]), "Q5_0": (32, 22, [0]),
-          "Q4_K": (256, 144, [0, 2]), "Q5_K": (256, 176, [0, 2]), "Q6_K": (256, 210, [208])}
-
-
-def random_tensor(ggml_type: str, n: int, k: int, seed: int = 0, permute: bool = False) -> QuantizedTensor:
-    """A GGUF tensor of random blocks: every bit pattern is a valid block once its float16 fields are finite."""
-    per, size, f16_at = BLOCKS[ggml_type]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
-    for at in f16_at:
-        scale = rng.uniform(0.2, 1.0, size=(n, k // per)) * (0.01 if ggml_type.endswith("_K") else 0.05)
-        sign = 1 if at == 0 or ggml_type != "Q4_1" else -1
-        blocks[:, :, at:at + 2] = (sign * scale).astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
-    perm = rng.permutation(n) if permute else None
-    return QuantizedTensor("w", "w", ggml_type, (n, k), blocks.reshape(n, -1), row_permutation=perm)
-
+pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 def reference_weight(qt: QuantizedTensor) -> torch.Tensor:
     """gguf-py's dequantization (independent of sudu's decoders), rows permuted as sudu's loader does."""
@@ -56,10 +39,6 @@ def rounded_activations(x: torch.Tensor, ggml_type: str = "Q8_0") -> torch.Tenso
         d = bmax / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(g * inv).clamp(-127, 127) * d).reshape(x.shape)
-
-
-def isas() -> list[str]:
-    return ["avx2", "native"] if ext.set_isa("native") == "avx512vnni" else ["avx2"]
 
 
 @pytest.fixture(autouse=True)
@@ -194,7 +173,7 @@ def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):
     from sudu.engine.network import load_network
     from sudu.weights.gguf import dequantize
     from sudu.weights.loader import load_checkpoint
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "m.gguf", "qwen2")
     write_tiny_gguf(tmp_path / "tied.gguf", "qwen2", tied=True)
@@ -228,7 +207,7 @@ def test_auto_runs_a_quantized_gguf_natively_and_speculation_stays_lossless(tmp_
 
     from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")
@@ -265,7 +244,7 @@ def test_native_weights_are_not_dequantized_at_load_and_none_is_left_unwritten(t
     from sudu.engine.llm import LLM
     from sudu.errors import SuduError
     from sudu.weights import gguf as gguf_weights
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")

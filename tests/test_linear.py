@@ -19,7 +19,7 @@ from sudu import kernels
 from sudu.engine.llm import LLM
 from sudu.layers import linear as L
 from sudu.sampling import SamplingParams
-from tests.tiny_models import build_hf_model
+from tests.helpers.tiny_models import build_hf_model
 
 ATOL = 1e-4
 
@@ -92,7 +92,7 @@ def test_groups_wider_than_a_block_match_the_reference(fmt, group_size, rows):
     torch.testing.assert_close(layer(x), reference(layer, x), atol=ATOL, rtol=0)
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+@pytest.mark.skipif(kernels.load() is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 @pytest.mark.parametrize("fmt", L.FORMATS)
 @pytest.mark.parametrize("k", [96, 128, 160, 192, 352])  # 3-11 blocks: every tail path of the kernels
 def test_kernel_rows_do_not_depend_on_batch_size(fmt, k):
@@ -250,7 +250,7 @@ def test_bfloat16_dequantization_rounds_like_pytorch(fmt):
     assert torch.equal(layer.dequantized_weight(torch.bfloat16), layer.dequantized_weight().to(torch.bfloat16))
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+@pytest.mark.skipif(kernels.load() is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     """torch's build lock is a plain file; a process killed mid-build (e.g. `sudu serve` stopped while it
     compiles) leaves it behind, and torch then waits for it forever. A fresh interpreter must still load

@@ -11,7 +11,7 @@ from sudu.layers.kv_cache import KVCache
 from sudu.models import build_model
 from sudu.model_config import ModelConfig
 from sudu.weights import safetensors as st_weights
-from tests.tiny_models import build_hf_model
+from tests.helpers.tiny_models import build_hf_model
 
 ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v3", "deepseek_v2"]
 

@@ -5,8 +5,6 @@ thread helper the other server tests use."""
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import threading
 import time
 
@@ -16,66 +14,11 @@ import pytest
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from sudu.engine.request import CheckedRequest
 from sudu.errors import EngineFailedError, RequestTooLongError
-from sudu.server.app import build_app, make_server
+from sudu.server.app import build_app
 from sudu.server.limits import ServerLimits
+from tests.helpers.live_server import LiveServer, assert_openai_error, sse_events
 
 BLOCK_SIZE = 16
-
-
-class LiveServer:
-    """uvicorn (sudu's draining server) on a free 127.0.0.1 port in a background thread."""
-
-    def __init__(self, app):
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(app, "127.0.0.1", self.port, log_level="warning")
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self, timeout_s: float = 60) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def wait_healthy(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while httpx.get(self.url + "/health").status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError("server never became healthy")
-            time.sleep(0.05)
-
-
-def sse_events(response: httpx.Response) -> list:
-    """The `data:` payloads of an SSE response, JSON-decoded ([DONE] kept as the string)."""
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
-
-
-def assert_openai_error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    return body["error"]
 
 
 # ---------------------------------------------------------------- the fake engine

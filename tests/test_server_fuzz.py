@@ -15,7 +15,7 @@ from schemathesis.generation.stateful import run_state_machine_as_test
 
 from sudu.config import EngineConfig
 from sudu.server.app import build_app
-from tests.test_server_fake_engine import LiveServer
+from tests.helpers.live_server import LiveServer
 
 MAX_EXAMPLES = 50  # per route and generation mode
 COMPLETION_ROUTES = {"POST /v1/chat/completions", "POST /v1/completions"}

@@ -87,14 +87,14 @@ def make_client(max_connections: int = 1, timeout_s: float = 600.0, verify=True)
 
 class ClientPool:
     """One single-connection httpx.AsyncClient per concurrently running request. httpcore's pool scans
-    every connection for every request it assigns (measured: 3/4 of the CPU at concurrency 64), so
+    every connection for every request it assigns (its cost: docs/bench.md), so
     many small pools keep the cost per request flat; keep-alive connections are still reused."""
 
     def __init__(self, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
         self._free: list[httpx.AsyncClient] = []
         self._all: list[httpx.AsyncClient] = []
-        self._ssl_context = None  # loading CA certificates costs ~30 ms: once per pool, not per client
+        self._ssl_context = None  # loading CA certificates is slow: once per pool, not per client
 
     @asynccontextmanager
     async def acquire(self):

@@ -81,7 +81,7 @@ class ClusterEngine:
         call's result as an object reference (Ray's object store carries the blocks), so both handles pass
         arguments by reference; otherwise calls go by value (gRPC where Serve's mode enables it), pickled
         with the standard library's pickle: sudu's requests and outputs are importable dataclasses, which
-        cloudpickle (Serve's default) pickles about three times slower."""
+        cloudpickle (Serve's default) pickles slower (docs/cluster.md)."""
         call_options = ({"_by_reference": True} if self.prefill_app else
                         {"request_serialization": "pickle", "response_serialization": "pickle"})
         self.handle = self._request_handle(self.app_name, stream=True, **call_options)

@@ -22,7 +22,7 @@ def release_freed_memory() -> None:
     """Give the heap pages that loading freed (the float copies the format check and dequantization made)
     back to the system: glibc keeps freed memory in its arenas, resident, until asked (malloc_trim).
     A no-op where the C library has no malloc_trim. (No gc.collect first: the float copies are freed by
-    reference counting as loading drops them, and a full collection costs ~0.1 s per engine.)"""
+    reference counting as loading drops them, and a full collection would cost every engine its time.)"""
     import ctypes
 
     try:

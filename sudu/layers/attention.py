@@ -123,8 +123,8 @@ class AttentionMetadata:
     sliding: AttentionView | None  # None: the model has no sliding-window layers
     kv_caches: list[KVCache] = field(default_factory=list)  # per layer
     # the element type the prompt chunks' SDPA runs in (None: the queries'): bfloat16 in a step whose
-    # linears run as bfloat16 GEMMs (layers/linear.py prefill_attention_dtype), which makes the flash
-    # kernel about 4x faster than in float32 and rounds no coarser than those GEMMs' inputs
+    # linears run as bfloat16 GEMMs (layers/linear.py prefill_attention_dtype): the flash kernel is faster
+    # there than in float32 (docs/cpu_speed.md) and rounds no coarser than those GEMMs' inputs
     sdpa_dtype: torch.dtype | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
