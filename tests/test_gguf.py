@@ -3,7 +3,6 @@ per-block reference written from ggml's block layouts, the parser against gguf.G
 ModelConfig, GGUF -> Hugging Face names and conventions, and the loader on a tiny synthetic file."""
 from __future__ import annotations
 
-import json
 
 import gguf
 import numpy as np
