@@ -1,6 +1,7 @@
-"""`sudu bench {single,throughput,cache,tasks,conversation,structured,compare}`: flags, and the run around a suite: target
-resolution (--url, or a local `sudu serve` started and stopped here), server info, token recount hook,
-progress bar, and the report written at the end, or marked partial when Ctrl-C interrupts the run."""
+"""`sudu bench {single,throughput,cache,tasks,conversation,structured,determinism,compare}`: flags, and
+the run around a suite: target resolution (--url, or a local `sudu serve` started and stopped here),
+server info, token recount hook, progress bar, and the report written at the end, or marked partial when
+Ctrl-C interrupts the run."""
 from __future__ import annotations
 
 import argparse
@@ -113,6 +114,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, seed = --seed + index")
     p.set_defaults(func=cmd_suite)
 
+    _register_determinism(suites)
+
     p = suites.add_parser("compare", help="A/B ratios with bootstrap CIs between two JSON reports")
     p.add_argument("a", metavar="A.json")
     p.add_argument("b", metavar="B.json")
@@ -126,6 +129,52 @@ def cmd_compare(args) -> int:
     from sudu.bench.compare import run_compare
 
     return run_compare(args.a, args.b, args.seed, args.force)
+
+
+def _register_determinism(suites) -> None:
+    """`sudu bench determinism`: its own flags (its requests are not streamed: no --chunk-usage, no HTML)."""
+    p = suites.add_parser("determinism", help="the same greedy and seeded requests alone, inside concurrent load "
+                          "and after cache-warming prefixes: share identical, first divergences, cache states")
+    g = p.add_argument_group("target")
+    g.add_argument("--url", default=None, help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1); "
+                   "default: start a local `sudu serve` on the default model, run, stop it")
+    g.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    g.add_argument("--api-key", default=os.environ.get("SUDU_BENCH_API_KEY"),
+                   help="bearer token (default: $SUDU_BENCH_API_KEY)")
+    g.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for a local sudu serve")
+    g.add_argument("--serve-args", default="", help="with no --url: extra flags for the local `sudu serve`")
+    g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    r = p.add_argument_group("run")
+    r.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="/v1/chat/completions (salt as the system message) or /v1/completions (plain prompt)")
+    r.add_argument("--prompts", type=int, default=4, help="everyday prompts to test (of 8; more cycle)")
+    r.add_argument("--modes", default="greedy,seeded", help="greedy (temperature 0) and/or seeded "
+                   "(--temperature with seed = --seed + the request's index)")
+    r.add_argument("--max-tokens", type=int, default=48)
+    r.add_argument("--temperature", type=float, default=0.8, help="the seeded mode's temperature")
+    r.add_argument("--concurrency", default="2,4,8", help="load conditions: requests in flight, the target "
+                   "included (comma-separated; empty: none)")
+    r.add_argument("--repeats", type=int, default=1, help="runs of each condition per request")
+    r.add_argument("--prefix-fraction", type=float, default=0.5,
+                   help="the prefix condition warms this share of the prompt's words first")
+    r.add_argument("--logprobs", action="store_true", help="ask for logprobs and compare every token's, bit for bit")
+    r.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM, SGLang, llama.cpp, sudu)")
+    r.add_argument("--extra-body", default="", help="JSON object merged into every request body, e.g. "
+                   "'{\"cache_prompt\": false}' to keep llama-server's prompt cache out")
+    r.add_argument("--warmup", type=int, default=1, help="warm-up requests (other prompts), not compared")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT})")
+    r.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_determinism)
+
+
+def cmd_determinism(args) -> int:
+    from sudu.bench.determinism import parse_options, run_determinism
+    from sudu.bench.local_server import run_with_local_server
+
+    opts = parse_options(args)
+    progress = _progress(args.no_progress or not sys.stderr.isatty())
+    return run_with_local_server(args, lambda a: run_determinism(a, opts, progress))
 
 
 def validate(args) -> dict:

@@ -98,7 +98,11 @@ def run_with_local_server(args, run: Callable[[object], int]) -> int:
         with open(log_path, "a") as log:
             p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
-        return p, wait_for_health(p, root, args.server_timeout, log_path)
+        try:
+            return p, wait_for_health(p, root, args.server_timeout, log_path)
+        except BaseException:  # never healthy (or Ctrl-C while waiting): the server is not left running
+            stop_server(p)
+            raise
 
     proc = None
     try:
