@@ -74,7 +74,7 @@ def test_restart_happens_once_after_every_session_finished_turn_k():
     done_at_restart = []
     counts = {}
 
-    async def send(ctx, group, state, messages, max_tokens):
+    async def send(ctx, group, state, messages, max_tokens, session=None):
         turn = sum(m["role"] == "assistant" for m in messages) + 1
         await asyncio.sleep(0.001 * (len(ctx.run.records) % 3))
         counts[turn] = counts.get(turn, 0) + 1

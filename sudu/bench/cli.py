@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from sudu.bench import cli_sessions
 from sudu.errors import SuduError
 
 DEFAULT_OUT = "bench-results"
@@ -36,6 +37,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "excluded probe request decides")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--no-html", action="store_true", help="skip the HTML report (plots take a few seconds)")
+    cli_sessions.add_shared_options(p)
 
 
 def register_cli(subparsers) -> None:
@@ -121,6 +123,10 @@ def register_cli(subparsers) -> None:
                    "work (the output then lists what differed)")
     p.set_defaults(func=cmd_compare)
 
+    cli_sessions.register(suites, _common)
+    for name in ("replay", "capacity"):
+        suites.choices[name].set_defaults(func=cmd_suite)
+
 
 def cmd_compare(args) -> int:
     from sudu.bench.compare import run_compare
@@ -134,6 +140,7 @@ def validate(args) -> dict:
     from sudu.bench.tasks import task_names
     from sudu.bench.workloads import parse_list
 
+    cli_sessions.validate(args)
     if getattr(args, "num_requests", 1) < 1:
         raise SuduError("--num-requests must be >= 1")
     if args.warmup < 0:
@@ -178,7 +185,7 @@ def validate(args) -> dict:
                 raise SuduError("--restart-after-turn needs the local server (no --url): bench cannot restart yours")
             if not 1 <= k < args.turns:
                 raise SuduError(f"--restart-after-turn must be between 1 and {args.turns - 1} (--turns - 1)")
-    return parse_slo(getattr(args, "slo", None))
+    return {} if args.suite == "capacity" else parse_slo(getattr(args, "slo", None))
 
 
 def _loopback(url: str | None) -> bool:
@@ -230,7 +237,7 @@ def cmd_suite(args) -> int:
 def _config(args) -> dict:
     from sudu.bench.suites import SAMPLING
 
-    skip = {"func", "api_key"}
+    skip = {"func", "api_key", "trace_obj", "capacity_opts", "prices", "json_lines_write", "json_lines_close"}
     config = {k: v for k, v in vars(args).items()
               if k not in skip and isinstance(v, (str, int, float, bool, list, dict, type(None)))}
     sampling = {"temperature": args.temperature} if args.suite == "structured" else dict(SAMPLING)
@@ -243,7 +250,8 @@ def execute(args, slo: dict, overhead: dict | None = None) -> int:
 
     run = Run(suite=args.suite, target={"url": args.url, "model": args.model,
                                         "local_server": getattr(args, "local_server", None)},
-              config=_config(args), overhead=overhead)
+              config=_config(args), overhead=overhead, prices=args.prices,
+              machine_per_hour=args.machine_cost)
     interrupted = False
     try:
         asyncio.run(run_suite(args, run))
@@ -252,6 +260,7 @@ def execute(args, slo: dict, overhead: dict | None = None) -> int:
         run.partial = True
         run.notes.append("interrupted by the user (Ctrl-C): partial report")
     run.finished_at = time.time()
+    args.json_lines_close()
     report = build_report(run, slo)
     paths = write_report(report, args.out, with_html=not args.no_html)
     print(markdown_summary(report))
@@ -262,13 +271,16 @@ def execute(args, slo: dict, overhead: dict | None = None) -> int:
 
 
 def _progress(disabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    disable=disabled, transient=False)
+                    TextColumn("ETA"), TimeRemainingColumn(), disable=disabled, transient=False)
 
 
-def planned_requests(args) -> int:
+def planned_requests(args) -> int | None:
+    if args.suite in ("replay", "capacity"):
+        return cli_sessions.planned(args)
     if args.suite == "single":
         return args.warmup + args.num_requests
     if args.suite == "throughput":
@@ -304,12 +316,21 @@ async def run_suite(args, run) -> None:
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     with _progress(args.no_progress or not sys.stderr.isatty()) as progress:
         bar = progress.add_task(f"{args.suite} @ {model}", total=planned_requests(args))
-        on_done = (lambda rec: progress.advance(bar)) if args.suite != "tasks" else None
+        write_line = args.json_lines_write
+
+        def on_done(rec, count=args.suite != "tasks"):
+            if count:
+                progress.advance(bar)
+            if write_line is not None:
+                write_line(rec)
+
         async with ClientPool(args.timeout) as pool:
             ctx = suites.Ctx(pool=pool, base=base, headers=headers, model=model, run=run,
-                             count_tokens=count_tokens, extra_body=extra, on_done=on_done)
+                             count_tokens=count_tokens, extra_body=extra, on_done=on_done, api=args.api)
             run.notes.append(await suites.probe_chunk_usage(ctx, args.chunk_usage))
-            if args.suite == "single":
+            if args.suite in ("replay", "capacity"):
+                await cli_sessions.run(args, ctx, run, suites)
+            elif args.suite == "single":
                 await suites.run_single(ctx, args.num_requests, args.warmup, args.max_tokens, args.prompt)
             elif args.suite == "throughput":
                 levels = suites.throughput_levels(args.concurrency_levels, args.rates, args.max_concurrency)
@@ -336,7 +357,8 @@ async def run_suite(args, run) -> None:
                     context_len = suites.DEFAULT_CONTEXT_LEN
                     run.notes.append(f"model context unknown: retrieval sized for {context_len} tokens (--context-len)")
                 run.config["context_len_used"] = context_len
-                ctx.on_done = lambda rec: progress.advance(bar) if rec.warmup else None
+                ctx.on_done = lambda rec: (progress.advance(bar) if rec.warmup else None,
+                                           write_line(rec) if write_line else None)
                 await suites.run_tasks(ctx, args.task_list, args.repeat, args.attempts, context_len,
                                        args.retrieval_fraction, args.warmup, args.seed,
                                        on_task_done=lambda res: progress.advance(bar), tool_choice=args.tool_choice)
