@@ -121,6 +121,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="compare even when the two runs measured different "
                    "work (the output then lists what differed)")
+    p.add_argument("--html", default=None, metavar="FILE", help="also write the A/B view: a self-contained page "
+                   "with every ratio's CI and verdict")
     p.set_defaults(func=cmd_compare)
 
     cli_sessions.register(suites, _common)
@@ -131,7 +133,7 @@ def register_cli(subparsers) -> None:
 def cmd_compare(args) -> int:
     from sudu.bench.compare import run_compare
 
-    return run_compare(args.a, args.b, args.seed, args.force)
+    return run_compare(args.a, args.b, args.seed, args.force, args.html)
 
 
 def validate(args) -> dict:
