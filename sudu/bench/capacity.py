@@ -4,7 +4,8 @@ TTFT and p99 ITL meet their targets, found by a search with confirmation runs, a
 Search: the load doubles from `start` until a level misses a target (or `max` is reached), then the
 interval between the last level that met both and the first that missed is bisected until it is within
 `tolerance` (one step for concurrency). The best level is then run `confirm` more times; a confirmation
-that misses lowers the answer to the next lower level that passed (or one step below) and confirms again.
+that misses lowers the answer (to the middle of the gap down to the next lower level that passed, or to
+that level when nothing lies between, or one step when none passed) and confirms again.
 Every level's figures are kept: they also give the Pareto curve of per-user output speed against total
 throughput. A level passes when every request succeeded and its p99 TTFT and p99 ITL (pooled per-token
 gaps) are within target; with n requests per level, p99 is close to the worst of them."""
@@ -140,6 +141,9 @@ async def search(run_level: Callable[[float, str], Awaitable[list]], opts: Capac
         steps += 1
         passing_below = [p["load"] for p in probes if p["passed"] and p["load"] < answer and p["phase"] == "search"]
         lower = max(passing_below) if passing_below else _step_down(answer, opts.mode)
+        between = _mid(lower, answer, opts.mode)
+        if lower < between < answer and not _narrow(lower, answer, opts):
+            lower = between  # untried levels between the last pass and the failed answer: the closest first
         answer = lower if lower >= opts.start and steps <= opts.max_steps_down else None
     at = [p for p in probes if answer is not None and p["load"] == answer]
     result = {"mode": opts.mode, "targets": {"ttft_p99_s": opts.ttft_p99_s, "itl_p99_s": opts.itl_p99_s},
