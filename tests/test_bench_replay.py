@@ -166,3 +166,20 @@ def test_replay_over_chat_counts_the_template_overhead(tmp_path):
         assert {e["path"] for e in srv.log} == {"/v1/chat/completions"}
     rep = _report(tmp_path)
     assert rep["replay"]["requests_ok"] == 4 and rep["cost"]["tokens"]["per_session"]["n"] == 2
+
+
+def test_json_lines_stream_every_request_as_it_finishes(tmp_path):
+    trace_path = tmp_path / "t.jsonl"
+    write_jsonl(synthetic_sessions(sessions=3, turns=2, teams=1, block_size=16, tool_wait_s=0.0), str(trace_path))
+    lines_path = tmp_path / "records.jsonl"
+    with FakeServer(PrefixCache()) as srv:
+        assert run_cli(["replay", str(trace_path), "--url", srv.url, "--out", str(tmp_path), "--no-html",
+                        "--no-progress", "--json-lines", str(lines_path)]) == 0
+    lines = [json.loads(x) for x in lines_path.read_text().splitlines()]
+    rep = _report(tmp_path)
+    assert sorted(x["request_id"] for x in lines) == sorted(r["request_id"] for r in rep["records"])
+    measured = [x for x in lines if not x["warmup"]]
+    assert len(measured) == 6 and all(x["ok"] and x["session"] for x in measured)
+    # in the order they finished
+    ends = [x["t_sent_s"] + x["done_s"] for x in lines]
+    assert ends == sorted(ends)
