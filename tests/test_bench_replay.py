@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sudu.bench.fake_server import FakeServer, chat_script
-from sudu.bench.replay import PromptSynth
+from sudu.bench.replay import PromptSynth, single_token_words
 from sudu.bench.trace import TraceRequest, ideal_hit_rate, load_trace, synthetic_sessions, write_jsonl
 from sudu.errors import SuduError
 from tests.test_bench_cli import run_cli
@@ -56,10 +56,16 @@ def test_synthesized_prompts_share_exactly_the_blocks_of_equal_hash_ids():
     assert wa[:16] == wb[:16] and wa[16:20] != wb[16:20]
 
 
-def test_synthesized_words_are_single_tokens_on_the_tokenizer():
-    # a tokenizer that splits long words: those words are left out, so prompts keep their token count
-    synth = PromptSynth(4, count_tokens=lambda text: 1 if len(text) <= 5 else 2)
-    assert synth.words and all(len(" " + w) <= 5 for w in synth.words)
+def test_synthesized_prompts_are_token_exact_on_the_models_tokenizer(tiny_model_dirs):
+    # the tiny model's 384-token vocabulary has few common English words: its own word tokens are used
+    from sudu.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dirs["llama"])
+    words = single_token_words(tok)
+    assert len(words) >= 5 and all(len(tok.encode(" " + w, add_special_tokens=False)) == 1 for w in words)
+    synth = PromptSynth(16, words=words)
+    req = TraceRequest(0, "a", "s", None, 0.0, None, 0.0, 40, [1, 2, 3], 4)
+    assert len(tok.encode(synth.prompt(req), add_special_tokens=False)) == 40
 
 
 def test_mooncake_format_loads(tmp_path):

@@ -13,6 +13,7 @@ from sudu.bench.apis import APIS
 from sudu.bench.cost import parse_price
 from sudu.bench.metrics import parse_slo
 from sudu.bench.suites import Group
+from sudu.bench.tokens import load_tokenizer
 from sudu.bench.trace import load_trace, synthetic_sessions, write_jsonl
 from sudu.bench.workloads import LONG_ANSWER_QUESTION, arrival_offsets, long_prompt, make_messages, prompt_set_id
 from sudu.errors import SuduError
@@ -41,6 +42,8 @@ def register(suites, common) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: sessions in flight")
     p.add_argument("--speedup", type=float, default=1.0, help="divide arrival offsets and tool waits by this")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests of the trace")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="the server's tokenizer (a model directory or "
+                   ".gguf) when sudu's catalog does not know the model: prompts are then token-exact")
     p.add_argument("--respect-eos", action="store_true", help="let answers stop early (default: ignore_eos, so that "
                    "every answer has the trace's output_length)")
     p.set_defaults(func=None, api="completions", warmup=0)
@@ -145,7 +148,10 @@ async def run(args, ctx, run_state, suites) -> None:
         trace = args.trace_obj
         await suites.warmup(ctx, args.warmup)
         opts = R.ReplayOptions(args.mode, args.concurrency, args.speedup, args.seed)
-        synth = R.PromptSynth(trace.block_size, args.seed, ctx.count_tokens)
+        tokenizer, note = load_tokenizer(ctx.model, args.tokenizer)
+        synth = R.PromptSynth(trace.block_size, args.seed, R.single_token_words(tokenizer) if tokenizer else None)
+        run_state.notes.append("replay prompts: one word per token on the model's tokenizer" if tokenizer else
+                               f"replay prompts: common English words, about one token each (no tokenizer: {note})")
         group = Group("replay", "trace", {"trace": args.trace, "format": trace.format, "mode": args.mode,
                                           "speedup": args.speedup, "requests": len(trace.requests),
                                           "prompt_set": f"trace@{trace.path}"})

@@ -24,16 +24,34 @@ MODES = ("open", "closed")
 LATE_TOLERANCE_S = 0.001
 
 
+MIN_WORDS = 64  # fewer single-token common words than this: the tokenizer's vocabulary is searched
+
+
+def single_token_words(tokenizer) -> list[str]:
+    """Words w for which " w" is exactly one token of `tokenizer` (sudu.tokenizer.Tokenizer): the common
+    English words that are, or else every such token of the vocabulary."""
+    def one(w: str) -> bool:
+        return len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1
+
+    words = [w for w in sorted(set(_WORDS)) if one(w)]
+    if len(words) >= MIN_WORDS:
+        return words
+    found = set(words)
+    for i in range(tokenizer.backend.get_vocab_size()):
+        text = tokenizer.decode([i])
+        if len(text) > 1 and text[0] == " " and text[1:].isalnum() and tokenizer.encode(text, add_special_tokens=False) == [i]:
+            found.add(text[1:])
+    return sorted(found) or sorted(set(_WORDS))
+
+
 class PromptSynth:
     """Token-exact prompts from hash ids: block h -> `block_size` space-led words drawn with seed (seed, h);
-    a partial last block takes the first words of its block. Words are kept only when the tokenizer (when
-    given) makes " word" exactly one token, so the prompt's token count is the trace's input_length."""
+    a partial last block takes the first words of its block. With `words` that are one token each on the
+    server's tokenizer (single_token_words), the prompt's token count is the trace's input_length;
+    without, common English words (about one token each in BPE vocabularies)."""
 
-    def __init__(self, block_size: int, seed: int = 0, count_tokens: Callable[[str], int] | None = None):
-        words = sorted(set(_WORDS))
-        if count_tokens is not None:
-            words = [w for w in words if count_tokens(" " + w) == 1] or words
-        self.words = words
+    def __init__(self, block_size: int, seed: int = 0, words: list[str] | None = None):
+        self.words = list(words) if words else sorted(set(_WORDS))
         self.block_size = block_size
         self.seed = seed
         self._blocks: dict[int, list[str]] = {}
@@ -64,11 +82,11 @@ class ReplayOptions:
 
 
 def body_for(req: TraceRequest, synth: PromptSynth) -> dict:
-    """What `send` gets: the recorded conversation when the trace has its text, else the synthesized
-    prompt (sent as raw text to completions, as one user message to the chat-style APIs)."""
+    """What `send` gets: the trace's own text when it has it (messages, or a recorded prompt), else the
+    synthesized prompt (sent as raw text to completions, as one user message to the chat-style APIs)."""
     if req.messages:
         return {"messages": req.messages}
-    return {"prompt": synth.prompt(req)}
+    return {"prompt": req.prompt if req.prompt is not None else synth.prompt(req)}
 
 
 async def run_replay(ctx, trace: Trace, opts: ReplayOptions, send_one: Callable, synth: PromptSynth) -> list[dict]:

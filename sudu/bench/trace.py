@@ -14,7 +14,8 @@ block size; default 512 tokens, Mooncake's):
   input_length  prompt tokens;  hash_ids: one id per block of block_size tokens (the last may be partial):
                 equal ids = equal token blocks, and a block's id stands for its whole prefix
   output_length tokens to generate
-  messages      optional: the real conversation (only in traces recorded with --record-text)
+  messages      optional: a real conversation, sent instead of a synthesized prompt
+  prompt        optional: the rendered prompt text (`sudu serve --record-trace --record-text`), sent as is
 Mooncake's format: {"timestamp": ms, "input_length", "output_length", "hash_ids"}, 512-token blocks, each
 request independent."""
 from __future__ import annotations
@@ -42,6 +43,7 @@ class TraceRequest:
     hash_ids: list[int]
     output_length: int
     messages: list[dict] | None = None
+    prompt: str | None = None  # the rendered prompt (traces recorded with --record-text)
 
 
 @dataclass
@@ -133,8 +135,9 @@ def load_trace(path: str, max_requests: int | None = None) -> Trace:
         at = _num(obj, "at_s", where, float, 0.0) if after is None else None
         wait = _num(obj, "tool_wait_s", where, float, 0.0)
         messages = obj.get("messages") if isinstance(obj.get("messages"), list) else None
+        prompt = obj.get("prompt") if isinstance(obj.get("prompt"), str) else None
         trace.requests.append(TraceRequest(i, rid, session, turn if isinstance(turn, int) else None, at, after, wait,
-                                           input_length, hash_ids, output_length, messages))
+                                           input_length, hash_ids, output_length, messages, prompt))
         ids[rid] = i
         last_of_session[session] = i
     return trace
