@@ -89,6 +89,10 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{1e3 * v:.1f} ms"
 
 
+def _ms_cell(v: float | None) -> str:
+    return "-" if v is None else f"{1e3 * v:.1f}"
+
+
 def _step_down(x: float, mode: str) -> float:
     return x - 1 if mode == "concurrency" else x * 0.9
 
@@ -181,7 +185,7 @@ def markdown(c: dict) -> str:
     rows = ["| load | phase | n ok/n | p99 TTFT ms | p99 ITL ms | total tok/s | per-user tok/s | goodput req/s | verdict |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for p in c["probes"]:
-        rows.append(f"| {p['load']:g} | {p['phase']} | {p['ok']}/{p['n']} | {_ms(p['p99_ttft_s'])[:-3]} | "
-                    f"{_ms(p['p99_itl_s'])[:-3]} | {p['total_tok_s'] or 0:.1f} | {p['per_user_tok_s'] or 0:.1f} | "
+        rows.append(f"| {p['load']:g} | {p['phase']} | {p['ok']}/{p['n']} | {_ms_cell(p['p99_ttft_s'])} | "
+                    f"{_ms_cell(p['p99_itl_s'])} | {p['total_tok_s'] or 0:.1f} | {p['per_user_tok_s'] or 0:.1f} | "
                     f"{p['goodput_req_s'] or 0:.2f} | {'meets' if p['passed'] else 'misses: ' + '; '.join(p['misses'])} |")
     return "\n\n".join([head, ans, "\n".join(rows)])
