@@ -1,6 +1,6 @@
 """Replay against sudu's own server (the real engine on a tiny random model, its prefix cache on), with
 `--record-trace` recording the traffic: the replayed trace's reached hit rate is within 2 points of its
-ideal, prompts are token-exact, and the recorded trace (no text) loads, infers the sessions and gives
+ideal (the cache holding every prompt processed before each request was sent), prompts are token-exact, and the recorded trace (no text) loads, infers the sessions and gives
 the same ideal hit rate again."""
 import json
 

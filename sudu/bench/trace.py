@@ -143,6 +143,22 @@ def load_trace(path: str, max_requests: int | None = None) -> Trace:
     return trace
 
 
+def _shared_blocks(root: dict, hash_ids: list[int]) -> int:
+    node, shared = root, 0
+    for h in hash_ids:
+        node = node.get(h)
+        if node is None:
+            break
+        shared += 1
+    return shared
+
+
+def _insert(root: dict, hash_ids: list[int]) -> None:
+    node = root
+    for h in hash_ids:
+        node = node.setdefault(h, {})
+
+
 def ideal_cached_tokens(trace: Trace, order: list[int] | None = None) -> dict[int, int]:
     """Per request index: the tokens an unbounded prefix cache that has seen every request before it (in
     `order`, default the trace's) could serve: the leading blocks whose id prefix an earlier one had."""
@@ -150,16 +166,24 @@ def ideal_cached_tokens(trace: Trace, order: list[int] | None = None) -> dict[in
     out = {}
     for i in (range(len(trace.requests)) if order is None else order):
         r = trace.requests[i]
-        node, shared, matching = root, 0, True
-        for h in r.hash_ids:
-            child = node.get(h)
-            if child is None:
-                matching = False
-                child = node[h] = {}
-            elif matching:
-                shared += 1
-            node = child
-        out[i] = min(shared * trace.block_size, r.input_length)
+        out[i] = min(_shared_blocks(root, r.hash_ids) * trace.block_size, r.input_length)
+        _insert(root, r.hash_ids)
+    return out
+
+
+def ideal_cached_tokens_timed(trace: Trace, sent_s: dict[int, float], ready_s: dict[int, float]) -> dict[int, int]:
+    """Per request index sent at sent_s[i]: the tokens an unbounded prefix cache could serve when it holds
+    the blocks of every request whose prompt had been processed (ready_s: its first token) before i was
+    sent. Requests without a ready time (failed) never fill the cache."""
+    root: dict = {}
+    pending = sorted((t, i) for i, t in ready_s.items() if t is not None)
+    k, out = 0, {}
+    for i in sorted(sent_s, key=lambda j: sent_s[j]):
+        while k < len(pending) and pending[k][0] <= sent_s[i]:
+            _insert(root, trace.requests[pending[k][1]].hash_ids)
+            k += 1
+        r = trace.requests[i]
+        out[i] = min(_shared_blocks(root, r.hash_ids) * trace.block_size, r.input_length)
     return out
 
 
