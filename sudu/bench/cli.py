@@ -314,7 +314,9 @@ async def run_suite(args, run) -> None:
             raise SuduError(f"no --model given and GET {base}/models listed none ({run.server_info})")
         model = data[0].get("id")
     run.target.update(url=base, model=model)
-    count_tokens, run.token_recount = load_token_counter(model, getattr(args, "tokenizer", None))
+    tokenizer_path = getattr(args, "tokenizer", None)  # replay's --tokenizer
+    count_tokens, run.token_recount = (load_token_counter(model, tokenizer_path) if tokenizer_path
+                                       else load_token_counter(model))
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     with _progress(args.no_progress or not sys.stderr.isatty()) as progress:
         bar = progress.add_task(f"{args.suite} @ {model}", total=planned_requests(args))
