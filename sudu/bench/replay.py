@@ -3,8 +3,9 @@ waits and its prefix sharing. Prompts are synthesized from the hash ids: every i
 `block_size` words, each word one token on the server's tokenizer (checked with the model's tokenizer
 when sudu has it), so requests with equal ids share exactly those prefix blocks and nothing more. The
 reached hit rate (the server's own cached-token counts) is set against the trace's ideal, computed in the
-schedule as it happened: an unbounded cache holding every prompt whose first token was out before the
-request was sent (the same with timing aside is reported next to it).
+order the requests were actually sent (an unbounded prefix cache that has seen every earlier request);
+next to it, the same holding only prompts whose first token was out when each request was sent, which
+says how much requests that share a prefix and arrive together could not share.
 
 Scheduling: a request with a dependency starts when that response has been read plus its tool wait
 (the DAG); one without starts at its arrival offset (open loop) or, in closed loop, sessions run
@@ -154,15 +155,15 @@ def summarize(trace: Trace, rows: list[dict], opts: ReplayOptions) -> dict:
         {r["index"]: r["start_s"] + r["ttft_s"] for r in rows if r.get("ok") and r.get("ttft_s") is not None})
     static = ideal_cached_tokens(trace, [r["index"] for r in sorted(rows, key=lambda r: r["start_s"])])
     for r in rows:
-        r["ideal_cached_tokens"] = ideal[r["index"]]
-        r["ideal_cached_tokens_untimed"] = static[r["index"]]
+        r["ideal_cached_tokens"] = static[r["index"]]
+        r["ideal_cached_tokens_computed"] = ideal[r["index"]]
     ok = [r for r in rows if r.get("ok")]
     prompt = sum(r["prompt_tokens"] or 0 for r in ok)
     reported = [r for r in ok if r.get("cached_tokens") is not None]
     cached = sum(r["cached_tokens"] for r in reported)
     trace_tokens = sum(r["input_length"] for r in ok)
     ideal_rate = sum(r["ideal_cached_tokens"] for r in ok) / trace_tokens if trace_tokens else None
-    untimed_rate = sum(r["ideal_cached_tokens_untimed"] for r in ok) / trace_tokens if trace_tokens else None
+    computed_rate = sum(r["ideal_cached_tokens_computed"] for r in ok) / trace_tokens if trace_tokens else None
     reached = cached / prompt if prompt and reported else None
     by_index = {r["index"]: r for r in rows}
     violations = []
@@ -192,7 +193,7 @@ def summarize(trace: Trace, rows: list[dict], opts: ReplayOptions) -> dict:
         "trace": trace.path, "format": trace.format, "block_size": trace.block_size, "mode": opts.mode,
         "speedup": opts.speedup, "concurrency": opts.concurrency if opts.mode == "closed" else None,
         "requests": len(rows), "requests_ok": len(ok), "sessions": len(sessions),
-        "reached_hit_rate": reached, "ideal_hit_rate": ideal_rate, "ideal_hit_rate_untimed": untimed_rate,
+        "reached_hit_rate": reached, "ideal_hit_rate": ideal_rate, "ideal_hit_rate_computed": computed_rate,
         "hit_rate_gap_points": None if reached is None or ideal_rate is None else 100 * (reached - ideal_rate),
         "cached_reported": bool(reported),
         "prompt_tokens": prompt, "trace_input_tokens": trace_tokens,
@@ -214,8 +215,8 @@ def markdown(s: dict) -> str:
              f"{s['block_size']}-token blocks, {s['mode']} loop, speedup {s['speedup']:g}).",
              f"Hit rate reached {pct(s['reached_hit_rate'])} vs the trace's ideal {pct(s['ideal_hit_rate'])} "
              f"({'n/a' if gap is None else f'{gap:+.1f} points'}; the server's cached tokens / prompt tokens; the ideal: "
-             "an unbounded prefix cache holding every prompt processed (first token out) before the request was sent; "
-             f"with every request sent before it, timing aside: {pct(s.get('ideal_hit_rate_untimed'))})."
+             "an unbounded prefix cache that has seen every request sent before; holding only the prompts whose first "
+             f"token was out when each request was sent: {pct(s.get('ideal_hit_rate_computed'))})."
              + ("" if s["cached_reported"] else " The server reports no cached tokens."),
              f"Prompt tokens per request vs the trace: {'n/a' if excess is None else f'{excess:+.1f}'} "
              "on average (a chat template's own tokens, or words the tokenizer split).",

@@ -5,7 +5,7 @@ text unless `--record-text` (then `prompt`, the rendered prompt). Hash ids are s
 a block of `block_size` prompt tokens and everything before it (equal ids = equal token prefixes).
 
 Sessions are inferred: a request whose full blocks continue all the full blocks of a finished earlier
-request is that request's next turn (`after` it, with `tool_wait_s` = the time between that answer and
+request, and add at least one more, is that request's next turn (`after` it, with `tool_wait_s` = the time between that answer and
 this arrival); any other request starts a session of its own at its arrival offset (`at_s`)."""
 from __future__ import annotations
 
@@ -45,7 +45,10 @@ class TraceRecorder:
         return out
 
     def _previous_turn(self, hash_ids: list[int], full: int) -> dict | None:
-        for j in range(full - 1, -1, -1):
+        """The earlier request whose full blocks this prompt continues with at least one more full block
+        (a next turn resends the conversation and adds to it; a second user of the same system prompt
+        shares the first one's blocks but adds none of its own to them)."""
+        for j in range(full - 2, -1, -1):
             prev = self._ends.get(hash_ids[j])
             if prev is not None:
                 return prev
