@@ -252,8 +252,8 @@ def execute(args, slo: dict, overhead: dict | None = None) -> int:
 
     run = Run(suite=args.suite, target={"url": args.url, "model": args.model,
                                         "local_server": getattr(args, "local_server", None)},
-              config=_config(args), overhead=overhead, prices=args.prices,
-              machine_per_hour=args.machine_cost)
+              config=_config(args), overhead=overhead, prices=getattr(args, "prices", None),
+              machine_per_hour=getattr(args, "machine_cost", None))
     interrupted = False
     try:
         asyncio.run(run_suite(args, run))
@@ -262,7 +262,7 @@ def execute(args, slo: dict, overhead: dict | None = None) -> int:
         run.partial = True
         run.notes.append("interrupted by the user (Ctrl-C): partial report")
     run.finished_at = time.time()
-    args.json_lines_close()
+    getattr(args, "json_lines_close", lambda: None)()  # set by cli_sessions.validate
     report = build_report(run, slo)
     paths = write_report(report, args.out, with_html=not args.no_html)
     print(markdown_summary(report))
@@ -320,7 +320,7 @@ async def run_suite(args, run) -> None:
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     with _progress(args.no_progress or not sys.stderr.isatty()) as progress:
         bar = progress.add_task(f"{args.suite} @ {model}", total=planned_requests(args))
-        write_line = args.json_lines_write
+        write_line = getattr(args, "json_lines_write", None)
 
         def on_done(rec, count=args.suite != "tasks"):
             if count:
@@ -330,7 +330,7 @@ async def run_suite(args, run) -> None:
 
         async with ClientPool(args.timeout) as pool:
             ctx = suites.Ctx(pool=pool, base=base, headers=headers, model=model, run=run,
-                             count_tokens=count_tokens, extra_body=extra, on_done=on_done, api=args.api)
+                             count_tokens=count_tokens, extra_body=extra, on_done=on_done, api=getattr(args, "api", "chat"))
             run.notes.append(await suites.probe_chunk_usage(ctx, args.chunk_usage))
             if args.suite in ("replay", "capacity"):
                 await cli_sessions.run(args, ctx, run, suites)
