@@ -82,6 +82,8 @@ def cmd_trace(args) -> int:
     for name in ("sessions", "turns", "teams", "block_size", "system_blocks", "output_length"):
         if getattr(args, name) < 1:
             raise SuduError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.blocks_per_turn < 0 or args.tool_wait < 0 or args.arrival_gap < 0:
+        raise SuduError("--blocks-per-turn, --tool-wait and --arrival-gap must be >= 0")
     rows = synthetic_sessions(args.sessions, args.turns, args.teams, args.block_size, args.system_blocks,
                               args.blocks_per_turn, args.output_length, args.tool_wait, args.arrival_gap, args.seed)
     try:
