@@ -101,3 +101,36 @@ def test_single_suite_over_messages_api(tmp_path):
     rep = json.load(open(next(tmp_path.glob("single-*.json"))))
     g = rep["groups"][0]
     assert g["n_ok"] == 3 and "ttft_reasoning_s" in g["metrics"] and "ttft_answer_s" in g["metrics"]
+
+
+def test_tool_calls_assembled_from_messages_and_responses_events():
+    from sudu.bench.apis import parse_event, tool_calls
+
+    state: dict = {}
+    events = [("content_block_start", {"type": "content_block_start", "index": 0,
+                                       "content_block": {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {}}}),
+              ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                       "delta": {"type": "input_json_delta", "partial_json": '{"path": '}}),
+              ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                       "delta": {"type": "input_json_delta", "partial_json": '"a.py"}'}}),
+              ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+                                 "usage": {"output_tokens": 9}})]
+    parsed = [parse_event("messages", e, d, state) for e, d in events]
+    assert [k for p in parsed for k, _ in p.pieces] == ["tool", "tool", "tool"]
+    assert parsed[-1].finish_reason == "tool_use" and parsed[-1].usage["completion_tokens"] == 9
+    assert tool_calls(state) == [{"id": "toolu_1", "type": "function",
+                                  "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]
+    state = {}
+    events = [{"type": "response.output_item.added", "output_index": 0,
+               "item": {"type": "function_call", "call_id": "call_9", "name": "grep"}},
+              {"type": "response.function_call_arguments.delta", "output_index": 0, "delta": '{"q": 1}'},
+              {"type": "response.completed", "response": {"status": "completed", "usage": {
+                  "input_tokens": 30, "input_tokens_details": {"cached_tokens": 16}, "output_tokens": 5,
+                  "output_tokens_details": {"reasoning_tokens": 2}}}}]
+    parsed = [parse_event("responses", None, d, state) for d in events]
+    assert tool_calls(state)[0]["function"] == {"name": "grep", "arguments": '{"q": 1}'}
+    assert parsed[-1].done and parsed[-1].usage == {"prompt_tokens": 30, "completion_tokens": 5, "total_tokens": 35,
+                                                    "prompt_tokens_details": {"cached_tokens": 16},
+                                                    "completion_tokens_details": {"reasoning_tokens": 2}}
+    failed = parse_event("responses", None, {"type": "response.failed", "response": {"error": {"message": "boom"}}}, {})
+    assert failed.error == "response failed: boom"
