@@ -76,7 +76,11 @@ def test_single_writes_reports(server, tmp_path, capsys):
     assert "attribution" in g and rep["environment"]["python"]
     assert rep["token_recount"].startswith("not recounted")
     html = open(path.replace(".json", ".html")).read()
-    assert html.count("data:image/png;base64,") >= 3
+    # interactive charts with plotly.js inlined: no script or style loaded from anywhere
+    assert html.count("Plotly.newPlot") >= 3 and "<script src" not in html and "id='headline'" in html
+    md = open(path.replace(".json", ".md")).read()
+    pngs = re.findall(r"!\[[^]]+\]\(([^)]+\.png)\)", md)
+    assert len(pngs) >= 3 and all((tmp_path / p).stat().st_size > 1000 for p in pngs)
     out = capsys.readouterr().out
     assert "| single | cold |" in out and "## Definitions" in out
 

@@ -42,6 +42,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--prepare-queue", type=int, default=ServerLimits.prepare_queue,
                    help="requests waiting for such a thread before new ones get 429 (default: 64)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--record-trace", default=None, metavar="FILE",
+                   help="write a trace of the traffic for `sudu bench replay`: per request its arrival, lengths and "
+                   "block hash ids (no text); sessions inferred from shared prefixes (docs/bench.md)")
+    p.add_argument("--record-text", action="store_true", help="with --record-trace: also write each rendered prompt")
     add_engine_args(p)
     from sudu.cluster.serve import add_cluster_args  # imports no Ray: that happens when --replicas runs
 
@@ -61,6 +65,13 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, **overrides)
     if args.max_queue_len < 1:
         raise ValueError("--max-queue-len must be >= 1")
+    if args.record_text and not args.record_trace:
+        raise ValueError("--record-text needs --record-trace FILE")
+    if args.record_trace:
+        try:
+            open(args.record_trace, "a").close()
+        except OSError as exc:
+            raise ValueError(f"cannot write --record-trace {args.record_trace}: {exc.strerror}") from None
     api_key = args.api_key or os.environ.get("SUDU_API_KEY") or None
     load_failure: list[BaseException] = []
     cluster = None
@@ -73,9 +84,16 @@ def run_serve(args: argparse.Namespace) -> int:
         from sudu.engine.async_engine import AsyncLLMEngine
 
         if cluster is not None:
-            return cluster.load()
+            return record(cluster.load())
 
-        return AsyncLLMEngine(config, max_queue_len=args.max_queue_len, stall_timeout_s=args.engine_stall_timeout)
+        return record(AsyncLLMEngine(config, max_queue_len=args.max_queue_len, stall_timeout_s=args.engine_stall_timeout))
+
+    def record(engine):
+        if not args.record_trace:
+            return engine
+        from sudu.server.trace_recorder import TraceRecorder
+
+        return TraceRecorder(engine, args.record_trace, record_text=args.record_text)
 
     def on_load_error(exc: BaseException) -> None:
         load_failure.append(exc)
