@@ -106,7 +106,7 @@ class ByteTokenizer:
     template_source = "{{ messages }}"  # renders no tools: the server uses its fallback (sudu/tools/messages.py)
 
     def encode_chat(self, messages, add_generation_prompt: bool = True, max_tokens: int | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
         return self.encode(text + ("assistant: " if add_generation_prompt else ""), max_tokens=max_tokens)
 

@@ -1,0 +1,90 @@
+"""One generated choice as a sequence of typed events, the common ground of every API's rendering: the
+reasoning splitter (reasoning.py) first, then, on the answer part only, the tool-call parser
+(sudu/tools/parser.py). Chat completions render the events as `delta`s, Messages as content blocks,
+Responses as output items; a whole (non-streamed) answer is the same events gathered, so a stream and a
+single body always agree.
+
+Events: `Reasoning(text)`, and the parser's `ContentDelta(text)`, `ToolCallStart(index, id, name)`,
+`ToolCallArgsDelta(index, text)`. `reasoning_tokens` counts the generated tokens of the pieces that
+arrived while the reasoning block was open (the closing tag's piece included)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sudu.server.reasoning import REASONING, ReasoningSplitter
+from sudu.tools.parser import ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+class AnswerEvents:
+    def __init__(self, tool_format: str | None, reasoning: bool, reasoning_open: bool):
+        self._splitter = ReasoningSplitter(reasoning_open) if reasoning else None
+        self._tools = ToolCallStreamParser(tool_format) if tool_format is not None else None
+        self.reasoning_tokens = 0
+        self.called = False
+
+    def feed(self, text: str, num_tokens: int = 0) -> list:
+        if self._splitter is None:
+            return self._content(text)
+        counting = self._splitter.in_reasoning or not self._splitter.reasoning_seen
+        parts = self._splitter.feed(text)
+        if counting and (self._splitter.in_reasoning or any(k == REASONING for k, _ in parts)
+                         or self._splitter.closed):
+            self.reasoning_tokens += num_tokens
+        return self._parts(parts)
+
+    @property
+    def reasoning_seen(self) -> bool:
+        return self._splitter is not None and self._splitter.reasoning_seen
+
+    def finish(self) -> list:
+        events = self._parts(self._splitter.finish()) if self._splitter is not None else []
+        if self._tools is not None:
+            events += self._tool_events(self._tools.finish())
+        return events
+
+    def _parts(self, parts) -> list:
+        events: list = []
+        for kind, text in parts:
+            events += [Reasoning(text)] if kind == REASONING else self._content(text)
+        return events
+
+    def _content(self, text: str) -> list:
+        if self._tools is None:
+            return [ContentDelta(text)] if text else []
+        return self._tool_events(self._tools.feed(text))
+
+    def _tool_events(self, events) -> list:
+        if any(isinstance(e, ToolCallStart) for e in events):
+            self.called = True
+        return [e for e in events if not (isinstance(e, (ContentDelta, ToolCallArgsDelta)) and not e.text)]
+
+
+@dataclass
+class Answer:
+    """A whole answer gathered from its events: reasoning (None: the model wrote none), content (None:
+    no text outside calls) and calls as [id, name, arguments]."""
+
+    reasoning: str | None
+    content: str | None
+    calls: list[list[str]]
+
+
+def gather(events: list, reasoning_seen: bool) -> Answer:
+    reasoning, content, calls = [], [], {}
+    for e in events:
+        if isinstance(e, Reasoning):
+            reasoning.append(e.text)
+        elif isinstance(e, ContentDelta):
+            content.append(e.text)
+        elif isinstance(e, ToolCallStart):
+            calls[e.index] = [e.id, e.name, ""]
+        elif isinstance(e, ToolCallArgsDelta):
+            calls[e.index][2] += e.text
+    text = "".join(content)
+    return Answer("".join(reasoning) if reasoning_seen or reasoning else None, text or None,
+                  [calls[i] for i in sorted(calls)])
