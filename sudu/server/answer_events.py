@@ -6,7 +6,7 @@ single body always agree.
 
 Events: `Reasoning(text)`, and the parser's `ContentDelta(text)`, `ToolCallStart(index, id, name)`,
 `ToolCallArgsDelta(index, text)`. `reasoning_tokens` counts the generated tokens of the pieces that
-arrived while the reasoning block was open (the closing tag's piece included)."""
+arrived while the reasoning block was open (the opening and closing tags' pieces included)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,16 +25,23 @@ class AnswerEvents:
         self._splitter = ReasoningSplitter(reasoning_open) if reasoning else None
         self._tools = ToolCallStreamParser(tool_format) if tool_format is not None else None
         self.reasoning_tokens = 0
+        self._undecided_tokens = 0  # tokens of the answer's first pieces, before it is known whether they open a block
         self.called = False
 
     def feed(self, text: str, num_tokens: int = 0) -> list:
         if self._splitter is None:
             return self._content(text)
-        counting = self._splitter.in_reasoning or not self._splitter.reasoning_seen
-        parts = self._splitter.feed(text)
-        if counting and (self._splitter.in_reasoning or any(k == REASONING for k, _ in parts)
-                         or self._splitter.closed):
+        splitter = self._splitter
+        was_open, was_undecided = splitter.in_reasoning, splitter.undecided
+        parts = splitter.feed(text)
+        if was_open:  # the piece arrived inside the block (the one that closes it included)
             self.reasoning_tokens += num_tokens
+        elif was_undecided:
+            self._undecided_tokens += num_tokens
+            if splitter.reasoning_seen:
+                self.reasoning_tokens += self._undecided_tokens
+            if not splitter.undecided:
+                self._undecided_tokens = 0
         return self._parts(parts)
 
     @property

@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Annotated, AsyncIterator, Literal, Union
+from typing import Annotated, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -28,18 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sudu.server import protocol as P
 from sudu.server.answer_events import AnswerEvents, ContentDelta, Reasoning, ToolCallArgsDelta, ToolCallStart
-from sudu.server.errors import EngineRequestError, failed_call, invalid, queue_full
+from sudu.server.errors import EngineRequestError, failed_call, invalid
 from sudu.server.generation import generate_all
-from sudu.server.limits import PoolFull
 from sudu.server.requests import prepare_chat
 from sudu.server.responses import Call
-from sudu.server.routes import _admit as admit
-from sudu.server.routes import _check_model as check_model
-from sudu.server.routes import ready_engine
 from sudu.server.streaming import sse, unless_disconnected
-
-if TYPE_CHECKING:
-    from sudu.server.app import ServerState
 
 
 class _Request(BaseModel):
@@ -141,6 +134,19 @@ class MessagesRequest(_MessagesFields):
 
 class CountTokensRequest(_MessagesFields):
     pass
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+_ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
 def _text_of(blocks, where: str) -> str:
@@ -398,12 +404,14 @@ class MessageCall:
             yield _event(err.anthropic_body())
 
 
-def messages_routes(state: ServerState) -> APIRouter:
+def messages_routes(state, admit) -> APIRouter:
+    """state: the app's ServerState; admit: the chat routes' admission (routes.py), which checks the engine,
+    the model and the queue and runs a prepare function in the worker pool."""
     router = APIRouter(prefix="/v1")
     draining = lambda: state.draining  # noqa: E731
 
     @router.post("/messages", operation_id="create_message", tags=["anthropic"],
-                 summary="Anthropic's Messages API (docs/agent_apis.md)")
+                 summary="Anthropic's Messages API (docs/agent_apis.md)", responses=_ERRORS)
     async def create_message(body: MessagesRequest, request: Request):
         received_at = time.perf_counter()
         chat = to_chat_request(body)
@@ -414,15 +422,10 @@ def messages_routes(state: ServerState) -> APIRouter:
         return await unless_disconnected(request, call.single(), draining)
 
     @router.post("/messages/count_tokens", operation_id="count_message_tokens", tags=["anthropic"],
-                 summary="The prompt tokens a Messages request would take")
+                 summary="The prompt tokens a Messages request would take", responses=_ERRORS)
     async def count_tokens(body: CountTokensRequest):
-        engine = ready_engine(state)
-        check_model(state, body.model)
-        chat = to_chat_request(body)
-        try:
-            return {"input_tokens": await state.pool.run(_count, engine, chat)}
-        except PoolFull:
-            raise queue_full("The server's request-preparation queue is full") from None
+        count, _ = await admit(state, to_chat_request(body), _count)
+        return {"input_tokens": count}
 
     return router
 

@@ -21,7 +21,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Annotated, AsyncIterator, Literal, Union
+from typing import Annotated, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -34,11 +34,7 @@ from sudu.server.generation import generate_all
 from sudu.server.requests import prepare_chat
 from sudu.server.response_store import ResponseStore
 from sudu.server.responses import Call
-from sudu.server.routes import _admit as admit
 from sudu.server.streaming import sse, unless_disconnected
-
-if TYPE_CHECKING:
-    from sudu.server.app import ServerState
 
 
 class _Request(BaseModel):
@@ -416,19 +412,31 @@ class ResponseCall:
             yield self._sse({"type": "response.failed", "response": self._response("failed", self.items.items, error)})
 
 
+# OpenAPI links: a response's id continues the conversation (documentation, and the stateful fuzz test's path)
+_RESPONSE_LINKS = {
+    "continue": {"operationId": "create_response", "requestBody": {
+        "previous_response_id": "$response.body#/id", "input": "Go on.", "max_output_tokens": 4}},
+    "retrieve": {"operationId": "get_response", "parameters": {"path.response_id": "$response.body#/id"}},
+}
+
+
 def _not_found(response_id: str, param: str | None) -> APIError:
     return APIError(404, f"No stored response with id {response_id!r} (unknown, expired or evicted)",
                     type="invalid_request_error", param=param, code="previous_response_not_found"
                     if param else "response_not_found")
 
 
-def responses_routes(state: ServerState, store: ResponseStore | None = None) -> APIRouter:
+def responses_routes(state, admit, store: ResponseStore | None = None) -> APIRouter:
+    """state: the app's ServerState; admit: the chat routes' admission (routes.py); store: where `store: true`
+    keeps responses (a default-sized ResponseStore when None)."""
     router = APIRouter(prefix="/v1")
     draining = lambda: state.draining  # noqa: E731
     store = store if store is not None else ResponseStore()
 
     @router.post("/responses", operation_id="create_response", tags=["responses"],
-                 summary="OpenAI's Responses API (docs/agent_apis.md)")
+                 summary="OpenAI's Responses API (docs/agent_apis.md)",
+                 responses={200: {"links": _RESPONSE_LINKS},
+                            **{s: {"model": P.ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}})
     async def create_response(body: ResponsesRequest, request: Request):
         received_at = time.perf_counter()
         history: list[dict] = []

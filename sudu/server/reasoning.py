@@ -47,6 +47,11 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         return self._state == REASONING
 
+    @property
+    def undecided(self) -> bool:
+        """Still reading the answer's first characters: they may yet open a block."""
+        return self._state == "lead"
+
     def feed(self, text: str) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         text = self._held + text
