@@ -73,7 +73,7 @@ def without_ids(value):
 
 
 def test_messages_tool_loop_stream_equals_single(claude, live):
-    kwargs = dict(model=MODEL, max_tokens=200, temperature=0, system="You check the weather.",
+    kwargs = dict(model=MODEL, max_tokens=200, extra_body={"temperature": 0}, system="You check the weather.",
                   tools=[ANTHROPIC_WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True})
     messages = [{"role": "user", "content": "What should I wear in Oslo?"}]
     first = claude.messages.create(messages=messages, **kwargs)
@@ -89,7 +89,11 @@ def test_messages_tool_loop_stream_equals_single(claude, live):
         for _ in stream:
             pass
         streamed = stream.get_final_message()
-    assert without_ids(streamed.model_dump()) == without_ids(first.model_dump())
+    assert without_ids(streamed.model_dump(exclude={"usage"})) == without_ids(first.model_dump(exclude={"usage"}))
+    assert streamed.usage.output_tokens == first.usage.output_tokens
+    # the same prompt again: now served from the cache (split differently, same total)
+    assert streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens == first_prompt
+    assert streamed.usage.cache_read_input_tokens > 0
 
     # every event type, in Anthropic's order, from the wire
     with httpx.stream("POST", live.url + "/v1/messages", json={**_plain(kwargs), "messages": messages,
@@ -120,17 +124,19 @@ def test_messages_tool_loop_stream_equals_single(claude, live):
 
 
 def _plain(kwargs: dict) -> dict:
-    return {k: v for k, v in kwargs.items()}
+    """SDK keyword arguments as the JSON body they send."""
+    body = {k: v for k, v in kwargs.items() if k != "extra_body"}
+    return {**body, **kwargs.get("extra_body", {})}
 
 
 def test_messages_stop_sequence_and_count_tokens(claude):
     messages = [{"role": "user", "content": "count"}]
-    whole = claude.messages.create(model=MODEL, max_tokens=16, temperature=0, messages=messages)
+    whole = claude.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=messages)
     assert whole.stop_reason in ("end_turn", "max_tokens") and whole.content[0].type == "text"
     text = whole.content[0].text
     if len(text) > 4:  # the greedy answer, cut by a stop sequence taken from its own middle
         stop = text[2:4]
-        cut = claude.messages.create(model=MODEL, max_tokens=16, temperature=0, messages=messages,
+        cut = claude.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=messages,
                                      stop_sequences=[stop])
         assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
         assert cut.content[0].text == text[:text.index(stop)]
@@ -192,8 +198,10 @@ def test_responses_tool_loop_stream_equals_single(oai, live):
     assert {"response.output_item.added", "response.function_call_arguments.delta",
             "response.function_call_arguments.done", "response.output_item.done"} <= set(types)
     streamed = events[-1].response
-    assert without_ids(streamed.model_dump(exclude={"created_at"})) == without_ids(
-        first.model_dump(exclude={"created_at"}))
+    assert without_ids(streamed.model_dump(exclude={"created_at", "usage"})) == without_ids(
+        first.model_dump(exclude={"created_at", "usage"}))
+    assert (streamed.usage.input_tokens, streamed.usage.output_tokens) == \
+        (first.usage.input_tokens, first.usage.output_tokens)
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert args == _function_calls(streamed)[0].arguments
 

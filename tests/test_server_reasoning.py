@@ -303,7 +303,7 @@ def test_thinking_template_fields_in_every_api(thinking_live, enable_thinking):
         == (reasoning, content)
 
     claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
-    kwargs = dict(model="m", max_tokens=n, temperature=0, messages=messages,
+    kwargs = dict(model="m", max_tokens=n, extra_body={"temperature": 0}, messages=messages,
                   thinking={"type": "enabled", "budget_tokens": n} if enable_thinking else {"type": "disabled"})
     expected_blocks = ([("thinking", reasoning)] if reasoning else []) + ([("text", content)] if content else [])
     whole = claude.messages.create(**kwargs)

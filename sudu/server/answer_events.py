@@ -4,15 +4,19 @@ reasoning splitter (reasoning.py) first, then, on the answer part only, the tool
 Responses as output items; a whole (non-streamed) answer is the same events gathered, so a stream and a
 single body always agree.
 
+With `tools` (name -> parameter schema) on the Hermes syntax, a bare JSON call at the start of the answer
+is a call too (sudu/tools/bare_calls.py has the rule); the parser's calls after it are numbered on.
+
 Events: `Reasoning(text)`, and the parser's `ContentDelta(text)`, `ToolCallStart(index, id, name)`,
 `ToolCallArgsDelta(index, text)`. `reasoning_tokens` counts the generated tokens of the pieces that
 arrived while the reasoning block was open (the opening and closing tags' pieces included)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sudu.server.reasoning import REASONING, ReasoningSplitter
-from sudu.tools.parser import ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser
+from sudu.tools.bare_calls import BareCallStream
+from sudu.tools.parser import HERMES, ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser
 
 
 @dataclass(frozen=True)
@@ -21,9 +25,12 @@ class Reasoning:
 
 
 class AnswerEvents:
-    def __init__(self, tool_format: str | None, reasoning: bool, reasoning_open: bool):
+    def __init__(self, tool_format: str | None, reasoning: bool, reasoning_open: bool,
+                 tools: dict[str, dict] | None = None):
         self._splitter = ReasoningSplitter(reasoning_open) if reasoning else None
         self._tools = ToolCallStreamParser(tool_format) if tool_format is not None else None
+        self._bare = BareCallStream(tools) if tools and tool_format == HERMES else None
+        self._index_offset = 0  # calls found before the parser's (a bare call)
         self.reasoning_tokens = 0
         self._undecided_tokens = 0  # tokens of the answer's first pieces, before it is known whether they open a block
         self.called = False
@@ -50,6 +57,9 @@ class AnswerEvents:
 
     def finish(self) -> list:
         events = self._parts(self._splitter.finish()) if self._splitter is not None else []
+        if self._bare is not None:
+            held, self._bare = self._bare.finish(), None
+            events += self._content(held)
         if self._tools is not None:
             events += self._tool_events(self._tools.finish())
         return events
@@ -63,11 +73,23 @@ class AnswerEvents:
     def _content(self, text: str) -> list:
         if self._tools is None:
             return [ContentDelta(text)] if text else []
-        return self._tool_events(self._tools.feed(text))
+        if self._bare is not None:
+            decided = self._bare.feed(text)
+            if decided is None:
+                return []
+            self._bare = None
+            call, text = decided
+            if call is not None:
+                self.called, self._index_offset = True, 1
+                return [ToolCallStart(0, call.id, call.name), ToolCallArgsDelta(0, call.arguments)] + \
+                    self._content(text)
+        return self._tool_events(self._tools.feed(text)) if text else []
 
     def _tool_events(self, events) -> list:
         if any(isinstance(e, ToolCallStart) for e in events):
             self.called = True
+        if self._index_offset:
+            events = [replace(e, index=e.index + self._index_offset) if hasattr(e, "index") else e for e in events]
         return [e for e in events if not (isinstance(e, (ContentDelta, ToolCallArgsDelta)) and not e.text)]
 
 

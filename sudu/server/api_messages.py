@@ -349,7 +349,7 @@ class MessageCall:
     def __init__(self, call: Call, body: MessagesRequest):
         self.call, self.body = call, body
         self.id = "msg_" + uuid.uuid4().hex
-        self.answer = AnswerEvents(call.tool_format, call.reasoning, call.reasoning_open)
+        self.answer = AnswerEvents(call.tool_format, call.reasoning, call.reasoning_open, call.tool_schemas)
         self.blocks = _Blocks()
         self.stop_reason = None
 

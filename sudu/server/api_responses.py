@@ -330,7 +330,7 @@ class ResponseCall:
         self.call, self.body, self.conversation, self.store = call, body, conversation, store
         self.id = "resp_" + uuid.uuid4().hex
         self.created_at = int(time.time())
-        self.answer = AnswerEvents(call.tool_format, call.reasoning, call.reasoning_open)
+        self.answer = AnswerEvents(call.tool_format, call.reasoning, call.reasoning_open, call.tool_schemas)
         self.items = _Items()
         self._sequence = 0
 

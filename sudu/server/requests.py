@@ -52,6 +52,8 @@ class PreparedCall:
     tool_format: str | None = None  # chat with tools: the tool-call syntax to parse out of the answers
     reasoning: bool = False  # chat on a template with thinking: split <think> text from the answer
     reasoning_open: bool = False  # the rendered prompt ends inside an open <think> block (DeepSeek-R1 style)
+    # tool_choice auto: name -> parameter schema of each tool, for bare JSON calls (sudu/tools/bare_calls.py)
+    tool_schemas: dict[str, dict] | None = None
 
 
 def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> PreparedCall:
@@ -93,8 +95,12 @@ def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> Prepar
     jobs = _checked_jobs(engine, "chatcmpl", [ids], params, body.priority, "messages", grammar_param)
     parse_tools = bool(body.tools) and _tool_choice(body) != "none"
     thinking = reasoning_template(template)
+    schemas = None
+    if parse_tools and _tool_choice(body) == "auto":
+        schemas = {t.function.name: t.function.parameters or {} for t in body.tools}
     return PreparedCall(jobs, body.n, logprobs, tool_format=fmt if parse_tools else None, reasoning=thinking,
-                        reasoning_open=thinking and opens_reasoning(engine.tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:])))
+                        reasoning_open=thinking and opens_reasoning(engine.tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:])),
+                        tool_schemas=schemas)
 
 
 def _template_kwargs(body: P.ChatCompletionRequest) -> dict | None:

@@ -114,6 +114,7 @@ class Call:
         self.n, self.logprobs, self.echo = prepared.n, prepared.logprobs, prepared.echo
         self.tool_format = prepared.tool_format
         self.reasoning, self.reasoning_open = prepared.reasoning, prepared.reasoning_open
+        self.tool_schemas = prepared.tool_schemas
         self.reasoning_tokens = [0] * (len(jobs) * self.n)
         self.model = model
         self.id = jobs[0].request_id.rsplit("-", 1)[0] if len(jobs) > 1 else jobs[0].request_id
@@ -208,14 +209,14 @@ class Call:
         for i in range(len(texts)):
             text, reason = "".join(texts[i]), self.finish_reasons[i]
             if self.reasoning:
-                events = AnswerEvents(self.tool_format, True, self.reasoning_open)
+                events = AnswerEvents(self.tool_format, True, self.reasoning_open, self.tool_schemas)
                 gathered = [e for piece, n in zip(texts[i], self.piece_tokens[i]) if piece
                             for e in events.feed(piece, n)]
                 message = tool_output.answer_message(gather(gathered + events.finish(), events.reasoning_seen))
                 self.reasoning_tokens[i] = events.reasoning_tokens
                 reason = tool_output.finish_reason(reason, events.called)
             elif self.tool_format is not None:
-                message, called = tool_output.message(text, self.tool_format)
+                message, called = tool_output.message(text, self.tool_format, self.tool_schemas)
                 reason = tool_output.finish_reason(reason, called)
             else:
                 message = {"role": "assistant", "content": text}
@@ -244,7 +245,7 @@ class Call:
 
         tools = None
         if self.tool_format or self.reasoning:
-            tools = [tool_output.ChoiceStream(self.tool_format, self.reasoning, self.reasoning_open)
+            tools = [tool_output.ChoiceStream(self.tool_format, self.reasoning, self.reasoning_open, self.tool_schemas)
                      for _ in self.num_tokens]
 
         def choices(idx, text, logprobs, finish_reason, num_tokens=0):

@@ -7,12 +7,18 @@ short by the token limit: "length"). On a template with thinking, the reasoning 
 from __future__ import annotations
 
 from sudu.server.answer_events import Answer, AnswerEvents, Reasoning
-from sudu.tools.parser import ContentDelta, ToolCallArgsDelta, ToolCallStart, parse_tool_calls
+from sudu.tools.bare_calls import leading_call
+from sudu.tools.parser import HERMES, ContentDelta, ToolCallArgsDelta, ToolCallStart, parse_tool_calls
 
 
-def message(text: str, fmt: str) -> tuple[dict, bool]:
-    """The assistant message for a whole answer, and whether it called tools."""
+def message(text: str, fmt: str, tools: dict[str, dict] | None = None) -> tuple[dict, bool]:
+    """The assistant message for a whole answer, and whether it called tools. tools: name -> parameter
+    schema where a bare JSON call counts (tool_choice auto; sudu/tools/bare_calls.py)."""
+    bare = None
+    if tools and fmt == HERMES:
+        bare, text = leading_call(text, tools)
     content, calls = parse_tool_calls(text, fmt)
+    calls = ([bare] if bare is not None else []) + calls
     msg: dict = {"role": "assistant", "content": content if content is not None or calls else ""}
     if calls:
         msg["tool_calls"] = [{"id": c.id, "type": "function",
@@ -40,8 +46,9 @@ class ChoiceStream:
     adjacent argument pieces of one call, merged into one delta). fmt: the tool-call syntax (None: no
     tools); reasoning / reasoning_open: as PreparedCall's."""
 
-    def __init__(self, fmt: str | None, reasoning: bool = False, reasoning_open: bool = False):
-        self._events = AnswerEvents(fmt, reasoning, reasoning_open)
+    def __init__(self, fmt: str | None, reasoning: bool = False, reasoning_open: bool = False,
+                 tools: dict[str, dict] | None = None):
+        self._events = AnswerEvents(fmt, reasoning, reasoning_open, tools)
 
     @property
     def called(self) -> bool:
