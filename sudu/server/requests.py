@@ -16,7 +16,7 @@ from sudu.errors import RequestTooLongError, SuduError
 from sudu.sampling import SamplingParams
 from sudu.server import protocol as P
 from sudu.server.engine_protocol import ServingEngine
-from sudu.server.constraints import output_grammar, tool_grammar
+from sudu.server.constraints import auto_tool_grammar, output_grammar, tool_grammar
 from sudu.server.errors import invalid
 from sudu.server.reasoning import opens_reasoning, reasoning_template
 from sudu.structured.grammars import GrammarError
@@ -78,6 +78,10 @@ def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> Prepar
             raise invalid(f"tool_choice {_tool_choice(body)!r} already constrains the output; drop {grammar_param}",
                           grammar_param)
         grammar, grammar_param = forced, "tool_choice"
+    elif grammar is None and body.tools:
+        lazy = auto_tool_grammar(body, fmt, engine.grammar_backend)
+        if lazy is not None:
+            grammar, grammar_param = lazy, "tools"
     if grammar is not None:
         params.grammar = grammar
     if tools and not tool_messages.supports_tools(template):

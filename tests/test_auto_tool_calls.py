@@ -1,6 +1,8 @@
-"""Bare JSON tool calls (sudu/tools/bare_calls.py): an answer that begins with a JSON object naming a known
-tool, with its required arguments, is that call, whole and streamed at every cut; every other answer
-parses exactly as before."""
+"""Tool calls in tool_choice auto. Bare JSON calls (sudu/tools/bare_calls.py): an answer that begins with a
+JSON object naming a known tool, with its required arguments, is that call, whole and streamed at every
+cut, on every API; every other answer parses exactly as before. The lazy grammar
+(grammars.lazy_tool_calls_grammar): on a tiny model, greedy, the answer is token for token the free one up
+to the moment the call's opening tag is written, and the call after it parses under the tool's schema."""
 from __future__ import annotations
 
 import json
@@ -122,3 +124,34 @@ def test_bare_call_on_every_api(echo):
     r = oai.responses.create(model="m", input=BARE, max_output_tokens=len(BARE),
                              tools=[{"type": "function", "name": n, "parameters": p or None} for n, p in TOOLS.items()])
     assert [(i.type, i.name, i.arguments) for i in r.output] == [("function_call", "get_weather", '{"city": "Oslo"}')]
+
+
+# ---------------------------------------------------------------- the lazy grammar, in the engine
+
+
+def test_lazy_grammar_free_text_unchanged_then_call_constrained(tiny_model_dirs):
+    from sudu.engine.llm import LLM
+    from sudu.sampling import SamplingParams
+    from sudu.structured import grammars as G
+
+    llm = LLM(str(tiny_model_dirs["llama"]), progress=False, max_model_len=512, kv_cache_memory=8 << 20)
+    prompt = llm.tokenizer.encode("def add(a, b):\n    return a + b\n", add_special_tokens=False)
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].outputs[0]
+    ids = list(free.token_ids)
+    k = next(i for i in range(4, len(ids)) if ids[i] not in ids[:i])  # a token the free answer writes first at k
+    opening, closing = ids[k], next(t for t in range(llm.tokenizer.vocab_size) if t not in ids)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    grammar = G.lazy_tool_calls_grammar([{"name": "get_weather", "parameters": schema}], opening, closing)
+    # without the tag in the answer the grammar changes nothing
+    never = G.lazy_tool_calls_grammar([{"name": "get_weather", "parameters": schema}], closing, opening)
+    same = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                                                 grammar=never))[0].outputs[0]
+    assert list(same.token_ids) == ids
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=200, grammar=grammar))[0].outputs[0]
+    got = list(out.token_ids)
+    assert got[:k + 1] == ids[:k + 1]  # free text token for token, then the tag
+    end = got.index(closing, k + 1)
+    call = json.loads(llm.tokenizer.decode(got[k + 1:end]))
+    assert call["name"] == "get_weather" and set(call["arguments"]) == {"city"}
+    assert isinstance(call["arguments"]["city"], str) and len(call["arguments"]["city"]) <= 8
