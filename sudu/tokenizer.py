@@ -308,12 +308,14 @@ class Tokenizer:
             raise
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    max_tokens: int | None = None, tools: list[dict] | None = None) -> list[int]:
+                    max_tokens: int | None = None, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         """The token ids of a conversation: the one chat -> ids path (server, `sudu generate --chat`,
         benchmarks). The template writes its own special tokens; BOS is added only where the tokenizer
         has one and the rendered text does not already start with it. tools: OpenAI tool definitions, for
-        templates that render them (sudu/tools/messages.py handles templates that do not)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
+        templates that render them (sudu/tools/messages.py handles templates that do not).
+        template_kwargs: further template variables (`enable_thinking`)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools=tools, **(template_kwargs or {}))
         bos = self.bos_token
         return self.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos), max_tokens=max_tokens)
 

@@ -22,12 +22,14 @@ from typing import Any, Awaitable, Callable
 from fastapi import Depends, FastAPI
 
 from sudu.errors import SuduError
+from sudu.server.api_messages import messages_routes
+from sudu.server.api_responses import responses_routes
 from sudu.server.auth import api_key_dependency
 from sudu.server.engine_protocol import ServingEngine
 from sudu.server.errors import install_error_handlers
 from sudu.server.limits import BodySizeLimit, PreparePool, ServerLimits
 from sudu.server.metrics import ServerMetrics
-from sudu.server.routes import api_routes, open_routes
+from sudu.server.routes import _admit, api_routes, open_routes
 
 logger = logging.getLogger("sudu.server")
 
@@ -105,6 +107,8 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes, count=state.metrics.count_error)
     app.include_router(open_routes(state))
     app.include_router(api_routes(state), dependencies=[Depends(api_key_dependency(api_key))])
+    app.include_router(messages_routes(state, _admit), dependencies=[Depends(api_key_dependency(api_key))])
+    app.include_router(responses_routes(state, _admit), dependencies=[Depends(api_key_dependency(api_key))])
     return app
 
 

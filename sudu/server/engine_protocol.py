@@ -18,7 +18,8 @@ class ServingTokenizer(Protocol):
     template_source: str  # the chat template (tool-call syntax is read from it)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    max_tokens: int | None = None, tools: list[dict] | None = None) -> list[int]: ...
+                    max_tokens: int | None = None, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
