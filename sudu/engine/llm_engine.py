@@ -27,6 +27,7 @@ from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
 from sudu.engine.memory import memory_report, release_freed_memory, rss_bytes
 from sudu.engine.speculative import Draft, Speculator
+from sudu.engine.wait_predictor import WaitModel
 from sudu.layers.device_sampler import DeviceSampler
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
@@ -86,7 +87,9 @@ class LLMEngine:
                                   self.kv_choice.ranges)
         self.block_manager = build_block_manager(config, ckpt, self.quantization, self.runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_when_decoding, config.max_itl_factor)
+                                   config.prefill_chunk_when_decoding, config.max_itl_factor,
+                                   config.priority_aging_s)
+        self.wait_model = WaitModel(config.max_num_seqs, config.priority_aging_s)
         # the CPU keeps its per-request torch generators; elsewhere the batch is sampled where its logits are
         self.sampler = Sampler(config.seed) if self.runner.device.type == "cpu" else DeviceSampler(config.seed)
         self.sequence_seeds = torch.Generator().manual_seed(config.seed)  # for sequences without params.seed
@@ -170,12 +173,13 @@ class LLMEngine:
             prompt = self.check_request(prompt_ids, params or SamplingParams())
         prompt_ids, params, max_tokens = prompt.prompt_token_ids, prompt.params, prompt.max_tokens
         now = time.perf_counter() if arrival_time is None else arrival_time
+        num_cached = self.block_manager.cached_prefix_tokens(prompt_ids)
         seqs = []
         for index in range(params.n):
             seq = Sequence(
                 request_id=request_id, index=index, token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids), params=params, priority=priority,
-                arrival_time=now, max_total_tokens=len(prompt_ids) + max_tokens,
+                arrival_time=now, max_total_tokens=len(prompt_ids) + max_tokens, num_cached_at_arrival=num_cached,
             )
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + index)
@@ -189,12 +193,14 @@ class LLMEngine:
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, RequestMetrics(now))
+        self.wait_model.on_add(request_id, self.scheduler, seqs[0], now)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         state = self.requests.get(request_id)
         if state is None:
             return
         state.error = error
+        self.wait_model.on_finish(request_id, state.seqs[0], "abort")
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -306,6 +312,7 @@ class LLMEngine:
                     self._guarded(seq, touched, lambda seq=seq: self._append_forced(seq), now)
         elapsed = time.perf_counter() - batch.started_at
         self.scheduler.chunk_budget.observe(batch.num_decodes, batch.num_prefill_tokens, elapsed)
+        self.wait_model.rates.observe_step(batch.num_decodes, batch.num_prefill_tokens, elapsed)
         if self.speculator is not None and batch.num_decodes and not batch.num_prefill_tokens:
             self.speculator.step_done(sum(s.num_new_tokens for s in batch.scheduled), elapsed)
 
@@ -383,6 +390,7 @@ class LLMEngine:
         state = self.requests[seq.request_id]
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
+            self.wait_model.on_first_token(seq.request_id, now - state.metrics.arrival_time)
         if seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in state.seqs[1:]:
                 sibling.held_back = False
@@ -441,6 +449,7 @@ class LLMEngine:
         seq.pending_text = ""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        self.wait_model.on_finish(seq.request_id, seq, reason)
         self._release_spec(seq)
 
     def _release_spec(self, seq: Sequence) -> None:
