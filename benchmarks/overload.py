@@ -235,6 +235,9 @@ async def closed_loop_capacity(url: str, clients: int, seconds: float, max_token
             body = cold_turn(10_000 * (c + 1) + i, max_tokens)
             for turn in range(2):
                 outcome = await one_request(client, url, body, 600)
+                while outcome.kind == "rejected" and outcome.retry_after is not None:  # the server's first steps
+                    await asyncio.sleep(float(outcome.retry_after))
+                    outcome = await one_request(client, url, body, 600)
                 if outcome.kind != "ok":
                     raise RuntimeError(f"capacity probe: a request failed ({outcome.kind} {outcome.status}: "
                                        f"{outcome.detail})")

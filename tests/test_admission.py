@@ -82,9 +82,11 @@ def test_decision_and_retry_after():
 
 def test_unmeasured_speed_admits_only_what_starts_at_once():
     cold = ServiceRates()
-    idle = EngineLoad(running=(SeqLoad(0, 10, 0),))
-    assert predict_wait(idle, new_request(), 2, cold, 5.0, now=1.0, aging_s=AGING_S)[0].admitted
-    refused, raw = predict_wait(LOAD, new_request(), 2, cold, 5.0, now=1.0, aging_s=AGING_S)
+    one_free = EngineLoad(running=(SeqLoad(0, 10, 0),))
+    assert predict_wait(one_free, new_request(), 2, cold, 5.0, now=1.0, aging_s=AGING_S)[0].admitted
+    # two slots, one running and one waiting ahead: nothing free
+    refused, raw = predict_wait(EngineLoad(LOAD.running[:1], LOAD.waiting), new_request(), 2, cold, 5.0, now=1.0,
+                                aging_s=AGING_S)
     assert not refused.admitted and refused.wait_s is None and refused.retry_after_s == COLD_RETRY_S
     assert raw is None
 
@@ -209,3 +211,11 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         assert "sudu:admission_refused_total 1.0" in metrics
         assert "sudu:admission_admitted_total 1.0" in metrics
         assert "sudu:admission_actual_wait_seconds_count 1.0" in metrics
+        # an admitted request counts in the next prediction before the engine has it: two fresh 31-token
+        # prompts at 0.02 s per token, both slots free; the second waits for both prompts: 1.24 s > 1 s
+        measured.prefill_s_per_token, measured.calibration = 0.02, 1.0
+        fresh = engine.check_request([100 + i for i in range(31)], SamplingParams(max_tokens=4))
+        first = engine.try_admit("first", fresh)
+        assert first.admitted and first.wait_s == pytest.approx(0.62)
+        second = engine.try_admit("second", fresh)
+        assert not second.admitted and second.wait_s == pytest.approx(1.24) and second.retry_after_s == 1

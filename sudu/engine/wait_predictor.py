@@ -18,8 +18,8 @@ token cannot come before every prompt token ahead of it and its own are computed
 larger of the two, times the calibration factor.
 
 Cold start: before both speeds have been measured (a step with prompt tokens, a decode-only step) there is
-no honest number to give; a request is then admitted only if it would start at once (a free slot, no one
-waiting ahead), and is otherwise refused with a short retry (`COLD_RETRY_S`).
+no honest number to give; a request is then admitted only if it would start at once (a slot free for it
+after those ahead of it have taken theirs), and is otherwise refused with a short retry (`COLD_RETRY_S`).
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def predict_wait(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: Servi
     if p is None or d is None:
         new_key = new.key(now, aging_s)
         ahead = sum(1 for w in load.waiting if w.key(now, aging_s) < new_key)
-        starts_now = len(load.running) < max_num_seqs and ahead == 0
+        starts_now = len(load.running) + ahead < max_num_seqs
         admitted = starts_now or max_queue_wait_s == 0
         return WaitPrediction(None, admitted, 0.0 if admitted else COLD_RETRY_S, new.prefill_tokens,
                               len(load.running) + ahead, max_queue_wait_s), None

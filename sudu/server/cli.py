@@ -30,7 +30,8 @@ def register_cli(subparsers) -> None:
                    "--max-queue-wait bounds the queue by predicted wait as well")
     p.add_argument("--served-model-name", default=None,
                    help="model id announced on /v1/models and expected in requests (default: the model's name)")
-    p.add_argument("--drain-timeout", "--shutdown-timeout", dest="shutdown_timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", "--shutdown-timeout", dest="shutdown_timeout", metavar="SECONDS", type=float,
+                   default=30.0,
                    help="on SIGINT/SIGTERM the server stops admitting (503 + Retry-After, /health 503) and gives "
                    "in-flight requests this many seconds to finish before they are failed; then it exits 0 "
                    "(default: 30)")
