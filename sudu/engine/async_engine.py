@@ -36,6 +36,7 @@ from sudu.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 TRANSIT_EXPIRY_S = 30.0  # an admitted request whose generate never came stops counting after this
+PROMISE_GRACE_S = 5.0  # a refused request's place is kept this long after its Retry-After has passed
 
 
 @dataclass
@@ -68,6 +69,11 @@ class AsyncLLMEngine:
         self._admission_lock = threading.Lock()
         self._in_transit: dict[str, tuple[float, tuple[SeqLoad, ...]]] = {}  # id -> (admitted at, loads)
         self._added_since_snapshot: list[str] = []
+        # refused requests' places: (the prompt, max_tokens, priority) -> (Retry-After due, first arrival,
+        # loads). Their work counts ahead of later arrivals, so that when one comes back after its
+        # Retry-After there is room for it; it keeps its first arrival (its aging) in the queue
+        self._promised: dict[int, tuple[float, float, tuple[SeqLoad, ...]]] = {}
+        self._arrival_of: dict[str, float] = {}  # admitted returning request -> its first arrival
         self.failure: str | None = None  # why the engine cannot continue, once it cannot
         self._failed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,23 +136,37 @@ class AsyncLLMEngine:
         """Predict the request's wait (uncached prompt from the context cache's lookup, the queue ahead of
         it, the measured speed) and admit it if that is within config.max_queue_wait; an admitted request
         counts in the next predictions until the engine has it. The caller then calls generate (or drops
-        the request: its reservation expires). Any thread; the prompt's lookup hashes it, so a worker's."""
+        the request: its reservation expires). A refused one keeps its place: the same request (prompt,
+        max_tokens, priority) coming back after its Retry-After is predicted, and queued, from its first
+        arrival, and later arrivals count it ahead of them meanwhile. Any thread; the prompt's lookup
+        hashes it, so a worker's."""
         ids = request.prompt_token_ids
         cached = self.engine.block_manager.cached_prefix_tokens(ids)
+        key = hash((tuple(ids), request.max_tokens, priority))
         now = time.perf_counter()
-        remaining = request.max_tokens
-        new = SeqLoad(len(ids) - cached, remaining, 0, priority, is_continuing(cached, len(ids)), now)
         with self._admission_lock:
             for rid, (at, _) in list(self._in_transit.items()):
                 if now - at > TRANSIT_EXPIRY_S:
                     del self._in_transit[rid]
+            for k, (due, _, _) in list(self._promised.items()):
+                if now > due + PROMISE_GRACE_S:
+                    del self._promised[k]
+            promise = self._promised.pop(key, None)
+            arrival = promise[1] if promise is not None else now
+            new = SeqLoad(len(ids) - cached, request.max_tokens, 0, priority, is_continuing(cached, len(ids)), arrival)
             transit = tuple(s for _, loads in self._in_transit.values() for s in loads)
+            promised = tuple(s for _, _, loads in self._promised.values() for s in loads)
             base = self._load
-            load = EngineLoad(base.running, base.waiting + transit)
+            load = EngineLoad(base.running, base.waiting + transit + promised)
             prediction, _ = predict_wait(load, new, self.config.max_num_seqs, self.engine.wait_model.rates,
                                          self.config.max_queue_wait, now, self.config.priority_aging_s)
+            loads = (new,) * request.params.n
             if prediction.admitted:
-                self._in_transit[request_id] = (now, (new,) * request.params.n)
+                self._in_transit[request_id] = (now, loads)
+                if promise is not None:
+                    self._arrival_of[request_id] = arrival
+            elif prediction.wait_s is not None:
+                self._promised[key] = (now + prediction.retry_after_s, arrival, loads)
         return prediction
 
     async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0
@@ -160,7 +180,9 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, (request, priority, time.perf_counter())))
+        with self._admission_lock:
+            queued_since = self._arrival_of.pop(request_id, None)
+        self._commands.put(("add", request_id, (request, priority, time.perf_counter(), queued_since)))
         self._wake.set()
         finished = False
         try:
@@ -190,10 +212,11 @@ class AsyncLLMEngine:
         prefix cache spreads over it, up to --kv-cache-memory)."""
         rates = self.engine.wait_model.rates
         with self._admission_lock:
-            in_transit = len(self._in_transit)
+            in_transit, promised = len(self._in_transit), len(self._promised)
         return {
             **self._stats,
             "admission_in_transit": in_transit,
+            "admission_promised": promised,
             "admission_prefill_s_per_token": rates.prefill_s_per_token or 0.0,
             "admission_decode_step_s": rates.decode_step_s or 0.0,
             "admission_calibration": rates.calibration,
@@ -229,9 +252,9 @@ class AsyncLLMEngine:
                     loop.call_soon_threadsafe(lambda f=future, e=error: f.done() or f.set_exception(e))
             elif kind == "add":
                 self._added_since_snapshot.append(rid)
-                request, priority, arrival = payload
+                request, priority, arrival, queued_since = payload
                 try:
-                    eng.add_request(rid, request, priority=priority, arrival_time=arrival)
+                    eng.add_request(rid, request, priority=priority, arrival_time=arrival, queued_since=queued_since)
                 except Exception as exc:  # noqa: BLE001 -- this request's fault: fail it, keep the loop
                     self._deliver(rid, exc)
             elif rid in eng.requests:

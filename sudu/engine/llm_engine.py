@@ -163,7 +163,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        queued_since: float | None = None,
     ) -> None:
+        """queued_since: where the scheduler's aging starts when it is not the arrival (a request refused
+        earlier and sent again after its Retry-After keeps its place: async_engine.try_admit)."""
         from sudu.tokenizer import IncrementalDetokenizer
 
         if request_id in self.requests:
@@ -179,7 +182,8 @@ class LLMEngine:
             seq = Sequence(
                 request_id=request_id, index=index, token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids), params=params, priority=priority,
-                arrival_time=now, max_total_tokens=len(prompt_ids) + max_tokens, num_cached_at_arrival=num_cached,
+                arrival_time=now if queued_since is None else queued_since,
+                max_total_tokens=len(prompt_ids) + max_tokens, num_cached_at_arrival=num_cached,
             )
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + index)
@@ -193,7 +197,7 @@ class LLMEngine:
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, RequestMetrics(now))
-        self.wait_model.on_add(request_id, self.scheduler, seqs[0], now)
+        self.wait_model.on_add(request_id, self.scheduler, seqs[0])
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         state = self.requests.get(request_id)
@@ -390,7 +394,7 @@ class LLMEngine:
         state = self.requests[seq.request_id]
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
-            self.wait_model.on_first_token(seq.request_id, now - state.metrics.arrival_time)
+            self.wait_model.on_first_token(seq.request_id, now)
         if seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in state.seqs[1:]:
                 sibling.held_back = False

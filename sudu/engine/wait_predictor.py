@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
 
 from sudu.engine.schedule_policy import order_key
@@ -190,21 +191,23 @@ class WaitModel:
         self.max_num_seqs = max_num_seqs
         self.aging_s = aging_s
         self.rates = ServiceRates()
-        self._predicted_raw_s: dict[str, float] = {}  # request id -> its uncalibrated prediction at add
+        # request id -> (its uncalibrated prediction at add, when it was added)
+        self._predicted_raw_s: dict[str, tuple[float, float]] = {}
 
-    def on_add(self, request_id: str, scheduler, seq, now: float) -> None:
+    def on_add(self, request_id: str, scheduler, seq) -> None:
         """Called after the request's sequences were queued (seq: its first)."""
         if not self.rates.measured:
             return
+        now = time.perf_counter()  # the clock of the sequences' arrival times
         load = EngineLoad(tuple(seq_load(s) for s in scheduler.running),
                           tuple(seq_load(s) for s in scheduler.waiting if s is not seq and not s.held_back))
-        self._predicted_raw_s[request_id] = raw_wait_s(load, seq_load(seq), self.max_num_seqs, self.rates, now,
-                                                       self.aging_s)[0]
+        raw = raw_wait_s(load, seq_load(seq), self.max_num_seqs, self.rates, now, self.aging_s)[0]
+        self._predicted_raw_s[request_id] = (raw, now)
 
-    def on_first_token(self, request_id: str, waited_s: float) -> None:
-        predicted = self._predicted_raw_s.pop(request_id, None)
-        if predicted is not None:
-            self.rates.observe_wait(predicted, waited_s)
+    def on_first_token(self, request_id: str, now: float) -> None:
+        entry = self._predicted_raw_s.pop(request_id, None)
+        if entry is not None:
+            self.rates.observe_wait(entry[0], now - entry[1])
 
     def on_finish(self, request_id: str, seq, reason: str | None) -> None:
         self._predicted_raw_s.pop(request_id, None)

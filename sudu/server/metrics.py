@@ -39,6 +39,8 @@ class _EngineStatsCollector(Collector):
              "Bytes of the KV pools resident now (they commit pages as the prefix cache fills them)."),
             ("sudu:admission_in_transit", "admission_in_transit",
              "Requests admitted and not yet in the engine's queue (they count in the next predictions)."),
+            ("sudu:admission_promised", "admission_promised",
+             "Refused requests whose place is kept for their return after Retry-After."),
             ("sudu:admission_prefill_seconds_per_token", "admission_prefill_s_per_token",
              "Measured seconds per prompt token (moving average; 0 until measured)."),
             ("sudu:admission_decode_step_seconds", "admission_decode_step_s",
