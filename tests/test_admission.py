@@ -41,18 +41,18 @@ def new_request(priority: int = 0, continuing: bool = False, arrival: float = 1.
 
 
 def test_prediction_equals_the_hand_computed_wait():
-    wait, ahead = raw_wait_s(LOAD, new_request(), 2, rates(), now=1.0, aging_s=AGING_S)
-    assert wait == pytest.approx(3.5) and ahead == 3
+    wait, own, ahead = raw_wait_s(LOAD, new_request(), 2, rates(), now=1.0, aging_s=AGING_S)
+    assert wait == pytest.approx(3.5) and own == pytest.approx(0.5) and ahead == 3
 
 
 def test_a_more_urgent_request_is_predicted_ahead_of_the_queue():
     # priority -1 (urgency -0.5), or a continuing session's turn (0): C (urgency 0.5 - 0.2 / 2 = 0.4) is no
     # longer ahead, so N takes A's slot at 1.0: 1.0 + 0.5
     for new in (new_request(priority=-1), new_request(continuing=True)):
-        wait, ahead = raw_wait_s(LOAD, new, 2, rates(), now=1.0, aging_s=AGING_S)
+        wait, _, ahead = raw_wait_s(LOAD, new, 2, rates(), now=1.0, aging_s=AGING_S)
         assert wait == pytest.approx(1.5) and ahead == 2
     # ...until C has aged: at 3.0 its urgency is 0.5 - 2.2 / 2 < 0, a continuing turn arriving then is behind it
-    wait, ahead = raw_wait_s(LOAD, new_request(continuing=True, arrival=3.0), 2, rates(), now=3.0, aging_s=AGING_S)
+    wait, _, ahead = raw_wait_s(LOAD, new_request(continuing=True, arrival=3.0), 2, rates(), now=3.0, aging_s=AGING_S)
     assert ahead == 3
 
 
@@ -60,22 +60,27 @@ def test_expected_output_length_bounds_each_slot():
     # p = 0.001. Sequences have been generating 12 tokens on average: A and B (5 done) hold their slots
     # 7 more steps (0.7 s), not 10 and 30; C takes one at 0.7, N the other at 0.7: first token at 0.75
     # (with max_tokens as each one's length: B's slot at 3.0, so 3.05)
-    wait, _ = raw_wait_s(LOAD, new_request(), 2, rates(p=0.001, output_tokens=12.0), now=1.0, aging_s=AGING_S)
+    wait, _, _ = raw_wait_s(LOAD, new_request(), 2, rates(p=0.001, output_tokens=12.0), now=1.0, aging_s=AGING_S)
     assert wait == pytest.approx(0.75)
-    wait, _ = raw_wait_s(LOAD, new_request(), 2, rates(p=0.001), now=1.0, aging_s=AGING_S)
+    wait, _, _ = raw_wait_s(LOAD, new_request(), 2, rates(p=0.001), now=1.0, aging_s=AGING_S)
     assert wait == pytest.approx(3.05)
 
 
 def test_decision_and_retry_after():
-    admitted, raw = predict_wait(LOAD, new_request(), 2, rates(), 4.0, now=1.0, aging_s=AGING_S)
+    # the limit bounds the 3.0 s spent behind others (the 0.5 s of its own prompt would come anyway)
+    admitted, raw = predict_wait(LOAD, new_request(), 2, rates(), 3.0, now=1.0, aging_s=AGING_S)
     assert admitted.admitted and admitted.wait_s == pytest.approx(3.5) and raw == pytest.approx(3.5)
-    refused, _ = predict_wait(LOAD, new_request(), 2, rates(), 2.0, now=1.0, aging_s=AGING_S)
-    # the queue ahead drains for 3.5 - 2.0 s before a request like it would be predicted within the limit
+    assert admitted.queue_s == pytest.approx(3.0)
+    refused, _ = predict_wait(LOAD, new_request(), 2, rates(), 1.5, now=1.0, aging_s=AGING_S)
+    # the queue ahead drains for 3.0 - 1.5 s before a request like it would be predicted within the limit
     assert not refused.admitted and refused.retry_after_s == 2
     calibrated = rates()
     calibrated.calibration = 2.0  # requests have been waiting twice what the model said
     refused, _ = predict_wait(LOAD, new_request(), 2, calibrated, 4.0, now=1.0, aging_s=AGING_S)
-    assert refused.wait_s == pytest.approx(7.0) and refused.retry_after_s == 3
+    assert refused.wait_s == pytest.approx(7.0) and refused.queue_s == pytest.approx(6.0)
+    assert refused.retry_after_s == 2
+    alone, _ = predict_wait(EngineLoad(), new_request(), 2, calibrated, 0.5, now=1.0, aging_s=AGING_S)
+    assert alone.admitted and alone.wait_s == pytest.approx(1.0)  # a long prompt on an idle engine: admitted
     unlimited, _ = predict_wait(LOAD, new_request(), 2, calibrated, 0.0, now=1.0, aging_s=AGING_S)
     assert unlimited.admitted
 
@@ -194,14 +199,17 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
     measured = engine.engine.wait_model.rates
     prompt = [5 + i for i in range(31)]  # 31 uncached tokens: nothing has run yet
     with LiveServer(build_app(engine)) as live:
-        # an idle engine measured at 0.1 s per prompt token: 3.1 s to the first token, over the 1 s limit;
-        # the queue (here: the prompt itself) drains below the limit in 2.1 s
-        measured.prefill_s_per_token, measured.decode_step_s = 0.1, 0.05
+        # measured at 0.1 s per prompt token, with one admitted 31-token prompt ahead (not sent on: it
+        # stays "in transit"): 3.1 s behind it, over the 1 s limit, first token at 6.2 s; the queue ahead
+        # drains below the limit in 2.1 s
+        measured.prefill_s_per_token, measured.decode_step_s = 0.1, 0.01
+        blocker = engine.check_request([300 + i for i in range(31)], SamplingParams(max_tokens=4))
+        assert engine.try_admit("blocker", blocker).admitted  # alone: its own prompt is no reason to refuse
         body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
         r = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
         error = assert_openai_error(r, 429)
         assert error["type"] == "rate_limit_error" and error["code"] == "server_overloaded"
-        assert "3.1 s" in error["message"]
+        assert "3.1 s" in error["message"] and "6.2 s" in error["message"]
         assert r.headers["retry-after"] == "3"
         # measured faster: 31 x 0.001 s, admitted and answered
         measured.prefill_s_per_token = 0.001
@@ -211,20 +219,21 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         assert "sudu:admission_refused_total 1.0" in metrics
         assert "sudu:admission_admitted_total 1.0" in metrics
         assert "sudu:admission_actual_wait_seconds_count 1.0" in metrics
-        # an admitted request counts in the next prediction before the engine has it: two fresh 31-token
-        # prompts at 0.02 s per token, both slots free; the second waits for both prompts: 1.24 s > 1 s
-        measured.prefill_s_per_token, measured.calibration = 0.02, 1.0
+        # an admitted request counts in the next prediction before the engine has it: 31-token prompts at
+        # 0.02 s per token, the blocker still in transit; the second of two waits for three prompts
+        # (1.86 s), 1.24 s of it behind the others: refused
+        measured.prefill_s_per_token, measured.decode_step_s, measured.calibration = 0.02, 0.01, 1.0
         fresh = engine.check_request([100 + i for i in range(31)], SamplingParams(max_tokens=4))
         first = engine.try_admit("first", fresh)
-        assert first.admitted and first.wait_s == pytest.approx(0.62)
+        assert first.admitted and first.wait_s == pytest.approx(1.24)
         second = engine.try_admit("second", fresh)
-        assert not second.admitted and second.wait_s == pytest.approx(1.24) and second.retry_after_s == 1
-        # the refused request keeps its place: a later, different request counts it ahead (three prompts)...
+        assert not second.admitted and second.wait_s == pytest.approx(1.86) and second.retry_after_s == 1
+        # the refused request keeps its place: a later, different request counts it ahead (four prompts)...
         other = engine.check_request([200 + i for i in range(31)], SamplingParams(max_tokens=4))
-        assert engine.try_admit("third", other).wait_s == pytest.approx(1.86)
-        # ...and when it comes back it is ahead of that later one: at 0.015 s per token it waits for the
-        # first prompt and its own (0.93 s, admitted), where the later one waits for all three
+        assert engine.try_admit("third", other).wait_s == pytest.approx(2.48)
+        # ...and when it comes back it is ahead of that later one: at 0.015 s per token it waits 0.93 s
+        # behind two prompts (admitted), where the later one waits behind three
         measured.prefill_s_per_token = 0.015
         assert engine.try_admit("second-again", fresh).admitted
-        assert engine.try_admit("third-again", other).wait_s == pytest.approx(1.395)
+        assert engine.try_admit("third-again", other).queue_s == pytest.approx(1.395)
         assert engine.stats()["admission_promised"] == 1

@@ -15,7 +15,8 @@ sooner); the sequences ahead of the new one in schedule order (schedule_policy.p
 free, earliest first; the new one starts in the next free slot and has its first token once its own
 uncached prompt is computed. Prompt computation is also one serial resource: the new request's first
 token cannot come before every prompt token ahead of it and its own are computed. The prediction is the
-larger of the two, times the calibration factor.
+larger of the two, times the calibration factor; the limit is held against its part spent behind others
+(the prediction less the request's own prompt time).
 
 Cold start: before both speeds have been measured (a step with prompt tokens, a decode-only step) there is
 no honest number to give; a request is then admitted only if it would start at once (a slot free for it
@@ -68,6 +69,7 @@ class WaitPrediction:
     uncached_tokens: int  # of the prompt: what the context cache does not hold
     num_ahead: int  # sequences running or queued ahead of it
     limit_s: float = 0.0  # the limit it was held against (0: none)
+    queue_s: float | None = None  # of wait_s, the part spent behind others (what the limit bounds)
 
 
 class ServiceRates:
@@ -126,8 +128,8 @@ class ServiceRates:
 
 def raw_wait_s(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: ServiceRates, now: float,
                aging_s: float) -> tuple[float, int]:
-    """(uncalibrated predicted seconds to new's first token, sequences ahead of it): see the module's
-    docstring for the model. Needs measured rates."""
+    """(uncalibrated predicted seconds to new's first token, of which its own prompt, sequences ahead of
+    it): see the module's docstring for the model. Needs measured rates."""
     p, d = rates.prefill_s_per_token, rates.decode_step_s
     new_key = new.key(now, aging_s)
     ahead = sorted((w for w in load.waiting if w.key(now, aging_s) < new_key), key=lambda w: w.key(now, aging_s))
@@ -140,7 +142,7 @@ def raw_wait_s(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: Service
     start = heapq.heappop(slots)
     serial_prefill = sum(s.prefill_tokens for s in load.running) + sum(w.prefill_tokens for w in ahead)
     own = new.prefill_tokens * p
-    return max(start + own, (serial_prefill + new.prefill_tokens) * p), len(load.running) + len(ahead)
+    return max(start + own, (serial_prefill + new.prefill_tokens) * p), own, len(load.running) + len(ahead)
 
 
 def predict_wait(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: ServiceRates, max_queue_wait_s: float,
@@ -155,13 +157,16 @@ def predict_wait(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: Servi
         admitted = starts_now or max_queue_wait_s == 0
         return WaitPrediction(None, admitted, 0.0 if admitted else COLD_RETRY_S, new.prefill_tokens,
                               len(load.running) + ahead, max_queue_wait_s), None
-    raw, num_ahead = raw_wait_s(load, new, max_num_seqs, rates, now, aging_s)
+    raw, own, num_ahead = raw_wait_s(load, new, max_num_seqs, rates, now, aging_s)
     wait = raw * calibration
-    admitted = max_queue_wait_s == 0 or wait <= max_queue_wait_s
-    # the queue ahead drains at the rate it is served: a request like this one arriving wait - limit seconds
-    # from now (and nothing new ahead of it meanwhile) would be predicted within the limit
-    retry = 0.0 if admitted else max(1.0, math.ceil(wait - max_queue_wait_s))
-    return WaitPrediction(wait, admitted, retry, new.prefill_tokens, num_ahead, max_queue_wait_s), raw
+    # the limit bounds the wait behind others: a request's own prompt takes as long whenever it is sent, so
+    # refusing it for that would help no one (a long prompt on an idle engine is admitted)
+    queue = max(raw - own, 0.0) * calibration
+    admitted = max_queue_wait_s == 0 or queue <= max_queue_wait_s
+    # the queue ahead drains at the rate it is served: a request like this one arriving queue - limit
+    # seconds from now (and nothing new ahead of it meanwhile) would be predicted within the limit
+    retry = 0.0 if admitted else max(1.0, math.ceil(queue - max_queue_wait_s))
+    return WaitPrediction(wait, admitted, retry, new.prefill_tokens, num_ahead, max_queue_wait_s, queue), raw
 
 
 def seq_load(seq) -> SeqLoad:

@@ -14,12 +14,13 @@ from sudu.server.metrics import ServerMetrics
 from sudu.server.requests import PreparedCall
 
 
-def overloaded(wait_s: float | None, limit_s: float, retry_after_s: float) -> APIError:
+def overloaded(queue_s: float | None, wait_s: float | None, limit_s: float, retry_after_s: float) -> APIError:
     retry = max(1, math.ceil(retry_after_s))
-    if wait_s is None:
+    if queue_s is None or wait_s is None:
         why = "The server is still measuring its speed and has no free slot now"
     else:
-        why = f"The predicted wait for a first token is {wait_s:.1f} s, over this server's limit of {limit_s:g} s"
+        why = (f"The predicted wait behind other requests is {queue_s:.1f} s (first token in {wait_s:.1f} s), "
+               f"over this server's limit of {limit_s:g} s")
     return APIError(429, f"{why}; retry after {retry} s", type="rate_limit_error", code="server_overloaded",
                     headers={"Retry-After": str(retry)})
 
@@ -34,7 +35,7 @@ def admit_by_wait(engine: ServingEngine, metrics: ServerMetrics, prepared: Prepa
         prediction = try_admit(job.request_id, job.request, job.priority)
         if not prediction.admitted:
             metrics.admission_refused.inc()
-            raise overloaded(prediction.wait_s, prediction.limit_s, prediction.retry_after_s)
+            raise overloaded(prediction.queue_s, prediction.wait_s, prediction.limit_s, prediction.retry_after_s)
         if prediction.wait_s is not None:
             metrics.predicted_wait.observe(prediction.wait_s)
     metrics.admission_admitted.inc()
