@@ -254,7 +254,8 @@ def _percentiles(values: list[float], prefix: str) -> dict:
     if not values:
         return {f"{prefix}_n": 0}
     p50, p99 = np.percentile(values, [50, 99])
-    return {f"{prefix}_n": len(values), f"{prefix}_p50_s": round(float(p50), 3), f"{prefix}_p99_s": round(float(p99), 3)}
+    return {f"{prefix}_n": len(values), f"{prefix}_p50_s": round(float(p50), 3),
+            f"{prefix}_p99_s": round(float(p99), 3)}
 
 
 def _drift(samples: list[tuple[float, int]], settle_s: float, name: str) -> dict:
