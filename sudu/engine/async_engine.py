@@ -70,8 +70,9 @@ class AsyncLLMEngine:
         self._in_transit: dict[str, tuple[float, tuple[SeqLoad, ...]]] = {}  # id -> (admitted at, loads)
         self._added_since_snapshot: list[str] = []
         # refused requests' places: (the prompt, max_tokens, priority) -> (Retry-After due, first arrival,
-        # loads). Their work counts ahead of later arrivals, so that when one comes back after its
-        # Retry-After there is room for it; it keeps its first arrival (its aging) in the queue
+        # loads). One that comes back after its Retry-After is predicted and queued from its first arrival
+        # (its aging), ahead of those that came later. Their work does not count ahead of new arrivals:
+        # clients that never come back would otherwise hold the queue shut while the engine idles
         self._promised: dict[int, tuple[float, float, tuple[SeqLoad, ...]]] = {}
         self._arrival_of: dict[str, float] = {}  # admitted returning request -> its first arrival
         self.failure: str | None = None  # why the engine cannot continue, once it cannot
@@ -138,8 +139,7 @@ class AsyncLLMEngine:
         counts in the next predictions until the engine has it. The caller then calls generate (or drops
         the request: its reservation expires). A refused one keeps its place: the same request (prompt,
         max_tokens, priority) coming back after its Retry-After is predicted, and queued, from its first
-        arrival, and later arrivals count it ahead of them meanwhile. Any thread; the prompt's lookup
-        hashes it, so a worker's."""
+        arrival. Any thread; the prompt's lookup hashes it, so a worker's."""
         ids = request.prompt_token_ids
         cached = self.engine.block_manager.cached_prefix_tokens(ids)
         key = hash((tuple(ids), request.max_tokens, priority))
@@ -155,9 +155,8 @@ class AsyncLLMEngine:
             arrival = promise[1] if promise is not None else now
             new = SeqLoad(len(ids) - cached, request.max_tokens, 0, priority, is_continuing(cached, len(ids)), arrival)
             transit = tuple(s for _, loads in self._in_transit.values() for s in loads)
-            promised = tuple(s for _, _, loads in self._promised.values() for s in loads)
             base = self._load
-            load = EngineLoad(base.running, base.waiting + transit + promised)
+            load = EngineLoad(base.running, base.waiting + transit)
             prediction, _ = predict_wait(load, new, self.config.max_num_seqs, self.engine.wait_model.rates,
                                          self.config.max_queue_wait, now, self.config.priority_aging_s)
             loads = (new,) * request.params.n
