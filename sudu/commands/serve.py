@@ -26,11 +26,14 @@ def register_cli(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes (default: $SUDU_API_KEY, else open)")
     p.add_argument("--max-queue-len", type=int, default=256,
-                   help="requests queued in the engine before new ones get 429 + Retry-After (default: 256)")
+                   help="requests queued in the engine before new ones get 429 + Retry-After (default: 256); "
+                   "--max-queue-wait bounds the queue by predicted wait as well")
     p.add_argument("--served-model-name", default=None,
                    help="model id announced on /v1/models and expected in requests (default: the model's name)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are failed "
+    p.add_argument("--drain-timeout", "--shutdown-timeout", dest="shutdown_timeout", metavar="SECONDS", type=float,
+                   default=30.0,
+                   help="on SIGINT/SIGTERM the server stops admitting (503 + Retry-After, /health 503) and gives "
+                   "in-flight requests this many seconds to finish before they are failed; then it exits 0 "
                    "(default: 30)")
     p.add_argument("--engine-stall-timeout", type=float, default=300.0,
                    help="seconds one engine step may take before the engine counts as failed (503, exit 1; "

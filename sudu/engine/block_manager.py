@@ -213,6 +213,22 @@ class BlockManager:
         return hashes[b - 1] if b else self.namespace
 
     # ---- prefix lookup -----------------------------------------------------------------------------
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Tokens of the leading full blocks of a prompt that a prefix lookup would find now, in RAM or in
+        the disk tier's index, without taking them: an estimate for scheduling and admission (an entry may
+        be evicted before the sequence runs). Reads only, so any thread may call it."""
+        if not self.enable_prefix_caching:
+            return 0
+        num_full = (len(token_ids) - 1) // self.block_size
+        parent, found = self.namespace, 0
+        for b in range(num_full):
+            ids = tuple(token_ids[b * self.block_size:(b + 1) * self.block_size])
+            parent = block_hash(parent, ids)
+            if self.pool.lookup(parent, ids) is None and not (self.disk is not None and self.disk.has(parent)):
+                break
+            found += 1
+        return found * self.block_size
+
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no blocks the longest cached run of its full blocks, from RAM, then disk.
         At least one token is always left to compute, since the model must produce logits for the last

@@ -31,6 +31,7 @@ from sudu.engine.memory import memory_report
 from sudu.host.memory import release_freed_memory, rss_bytes
 from sudu.engine.spec.controller import Speculator, resolve_drafter
 from sudu.engine.spec.verify import Draft
+from sudu.engine.wait_predictor import WaitModel
 from sudu.layers.device_sampler import DeviceSampler
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
@@ -90,7 +91,9 @@ class LLMEngine:
                                   self.kv_choice.ranges)
         self.block_manager = build_block_manager(config, ckpt, self.quantization, self.runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_when_decoding, config.max_itl_factor)
+                                   config.prefill_chunk_when_decoding, config.max_itl_factor,
+                                   config.priority_aging_s)
+        self.wait_model = WaitModel(config.max_num_seqs, config.priority_aging_s)
         # the CPU keeps its per-request torch generators; elsewhere the batch is sampled where its logits are
         self.sampler = Sampler(config.seed) if self.runner.device.type == "cpu" else DeviceSampler(config.seed)
         self.sequence_seeds = torch.Generator().manual_seed(config.seed)  # for sequences without params.seed
@@ -164,7 +167,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        queued_since: float | None = None,
     ) -> None:
+        """queued_since: where the scheduler's aging starts when it is not the arrival (a request refused
+        earlier and sent again after its Retry-After keeps its place: async_engine.try_admit)."""
         from sudu.tokenizer import IncrementalDetokenizer
 
         if request_id in self.requests:
@@ -174,12 +180,14 @@ class LLMEngine:
             prompt = self.check_request(prompt_ids, params or SamplingParams())
         prompt_ids, params, max_tokens = prompt.prompt_token_ids, prompt.params, prompt.max_tokens
         now = time.perf_counter() if arrival_time is None else arrival_time
+        num_cached = self.block_manager.cached_prefix_tokens(prompt_ids)
         seqs = []
         for index in range(params.n):
             seq = Sequence(
                 request_id=request_id, index=index, token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids), params=params, priority=priority,
-                arrival_time=now, max_total_tokens=len(prompt_ids) + max_tokens,
+                arrival_time=now if queued_since is None else queued_since,
+                max_total_tokens=len(prompt_ids) + max_tokens, num_cached_at_arrival=num_cached,
             )
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + index)
@@ -193,12 +201,14 @@ class LLMEngine:
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, RequestMetrics(now))
+        self.wait_model.on_add(request_id, self.scheduler, seqs[0])
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         state = self.requests.get(request_id)
         if state is None:
             return
         state.error = error
+        self.wait_model.on_finish(request_id, state.seqs[0], "abort")
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -310,6 +320,7 @@ class LLMEngine:
                     self._guarded(seq, touched, lambda seq=seq: self._append_forced(seq), now)
         elapsed = time.perf_counter() - batch.started_at
         self.scheduler.chunk_budget.observe(batch.num_decodes, batch.num_prefill_tokens, elapsed)
+        self.wait_model.rates.observe_step(batch.num_decodes, batch.num_prefill_tokens, elapsed)
         if self.speculator is not None and batch.num_decodes and not batch.num_prefill_tokens:
             self.speculator.step_done(sum(s.num_new_tokens for s in batch.scheduled), elapsed)
 
@@ -387,6 +398,7 @@ class LLMEngine:
         state = self.requests[seq.request_id]
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
+            self.wait_model.on_first_token(seq.request_id, now)
         if seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in state.seqs[1:]:
                 sibling.held_back = False
@@ -433,6 +445,7 @@ class LLMEngine:
         seq.pending_text = ""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        self.wait_model.on_finish(seq.request_id, seq, reason)
         self._release_spec(seq)
 
     def _release_spec(self, seq: Sequence) -> None:

@@ -12,6 +12,12 @@ def kv_pool_tensors(kv_caches: list) -> list:
     return [t for c in kv_caches for t in (c.k, c.v)]
 
 
+def kv_resident_bytes(engine) -> int:
+    """Bytes of the engine's KV pools now resident (-1 off the CPU)."""
+    pools = kv_pool_tensors(engine.runner.kv_caches)
+    return resident_bytes(pools) if all(t.device.type == "cpu" for t in pools) else -1
+
+
 def memory_report(engine) -> dict:
     """weights (the bounded head's shadow included), KV pools (allocated and resident) and the resident set, in
     bytes."""

@@ -187,15 +187,17 @@ async def drain(app: FastAPI) -> None:
 
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info"):
-    """A uvicorn server that, on SIGINT/SIGTERM, stops listening, then drains (in-flight requests
-    finish within the app's shutdown timeout or end with an error event), then exits normally."""
+    """A uvicorn server that, on SIGINT/SIGTERM, drains: it keeps listening but admits nothing new (503
+    with Retry-After, /health 503, so a load balancer or Kubernetes moves traffic away), lets in-flight
+    requests finish within the app's drain timeout (the rest end with an error event), then stops
+    listening and exits normally."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
+            await drain(app)
             for s in self.servers:
                 s.close()
-            await drain(app)
             await super().shutdown(sockets)
 
         @contextmanager

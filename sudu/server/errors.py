@@ -60,7 +60,9 @@ def queue_full(what: str = "The request queue is full") -> APIError:
 
 
 def shutting_down() -> APIError:
-    return APIError(503, "The server is shutting down", type="service_unavailable", code="shutting_down")
+    # Retry-After: a load balancer's other replicas answer meanwhile; this one is draining (docs/server.md)
+    return APIError(503, "The server is shutting down", type="service_unavailable", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def engine_failed(reason: str) -> APIError:

@@ -149,6 +149,8 @@ class Call:
             if self._first_token_at[job_index] is None:
                 self._first_token_at[job_index] = now
                 self.metrics.time_to_first_token.observe(now - self.received_at)
+                if out.metrics.first_token_time is not None:
+                    self.metrics.actual_wait.observe(out.metrics.first_token_time - out.metrics.arrival_time)
             else:
                 self.metrics.inter_token_latency.observe(now - self._last_token_at[job_index])
             self._last_token_at[job_index] = now

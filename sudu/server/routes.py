@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sudu.server import protocol as P
+from sudu.server.admission import admit_by_wait
 from sudu.server.errors import RETRY_AFTER_S, APIError, engine_failed, queue_full, shutting_down
 from sudu.server.limits import PoolFull
 from sudu.server.requests import PreparedCall, prepare_chat, prepare_completion
@@ -74,6 +75,10 @@ async def _admit(state: ServerState, body, prepare) -> tuple[PreparedCall, str]:
         raise queue_full("The server's request-preparation queue is full") from None
     if engine.is_full():  # it may have filled while this request was prepared
         raise queue_full()
+    try:
+        await state.pool.run(admit_by_wait, engine, state.metrics, prepared)
+    except PoolFull:
+        raise queue_full("The server's request-preparation queue is full") from None
     return prepared, model
 
 
