@@ -287,13 +287,13 @@ def test_x_api_key_and_anthropic_version(keyed):
     assert assert_openai_error(r, 401)["type"] == "authentication_error"
 
 
-def test_full_queue_is_anthropic_rate_limit_with_retry_after(keyed):
+def test_full_queue_is_anthropic_overloaded_error_with_retry_after(keyed):
     keyed.engine.full = True
     try:
         r = httpx.post(keyed.url + "/v1/messages", headers={"x-api-key": "sk-test"},
                        json={"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "rate_limit_error"
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "overloaded_error"
         r = httpx.post(keyed.url + "/v1/responses", headers={"x-api-key": "sk-test"}, json={"input": "hi"})
         assert assert_openai_error(r, 429)["type"] == "rate_limit_error" and "retry-after" in r.headers
     finally:

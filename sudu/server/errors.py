@@ -33,16 +33,19 @@ class APIError(Exception):
 
     def anthropic_body(self) -> dict:
         """The same error in Anthropic's shape, its type from the status as Anthropic's API reference
-        lists them (429 rate_limit_error, 503/529 overloaded_error, ...)."""
+        lists them (429 rate_limit_error, 503/529 overloaded_error, ...); a 429 the server gives because it is
+        overloaded (a full queue, a predicted wait over the limit), not because of the client's own rate, is
+        Anthropic's overloaded_error, with the status kept at 429 and Retry-After set."""
         message = f"{self.param}: {self.message}" if self.param and not self.message.startswith(self.param) \
             else self.message
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": message}}
+        kind = "overloaded_error" if self.code in _OVERLOAD_CODES else _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+_OVERLOAD_CODES = ("queue_full", "server_overloaded")
 ANTHROPIC_PATH = "/v1/messages"  # routes under it answer errors in Anthropic's shape
 
 
