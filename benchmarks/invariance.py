@@ -6,7 +6,7 @@ logprob difference where the tokens still agree.
 
     python -m benchmarks.invariance                      # the default model, the engine's defaults
     python -m benchmarks.invariance --fast-math          # the opt-in non-invariant prompt path
-    python -m benchmarks.invariance --model PATH --tokens 48 --prompts 8
+    python -m benchmarks.invariance --model PATH --tokens 48 --prompts 8 --threads 1
 """
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def main() -> None:
     ap.add_argument("--fast-math", action="store_true")
     ap.add_argument("--speculative", default="auto")
     ap.add_argument("--seeded", action="store_true", help="temperature 0.8 with a seed per prompt instead of greedy")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     args = ap.parse_args()
-    common = dict(progress=False, speculative=args.speculative, fast_math=args.fast_math)
+    common = dict(progress=False, speculative=args.speculative, fast_math=args.fast_math, num_threads=args.threads)
     if args.model:
         common["model"] = args.model
 

@@ -22,7 +22,8 @@ LENGTHS = [3, 70, 16, 17, 5, 31, 64, 65, 12, 100, 33, 48, 7, 90, 129, 40]  # 16 
 TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
 # the whole arithmetic is fixed: no speculation, the whole head, no cache, one chunk per prompt
-REFERENCE = dict(speculative="none", greedy_head="full", enable_prefix_caching=False, kv_cache_dtype="float16")
+REFERENCE = dict(speculative="none", greedy_head="full", enable_prefix_caching=False, kv_cache_dtype="float16",
+                 num_threads=1)  # one thread: the suite shares its cores; the slow test runs the default threads
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
@@ -50,9 +51,8 @@ def model_dirs(tmp_path_factory):
     dirs["draft"] = save_tiny_model(root / "draft", "qwen2", seed=5)
     from tests.test_gguf import write_tiny_gguf
 
-    for arch in ("qwen2", "gemma3"):
-        write_tiny_gguf(root / f"{arch}.gguf", arch)
-        dirs[f"{arch}-gguf"] = root / f"{arch}.gguf"
+    write_tiny_gguf(root / "qwen2.gguf", "qwen2")
+    dirs["qwen2-gguf"] = root / "qwen2.gguf"
     return dirs
 
 
@@ -119,7 +119,7 @@ def test_attention_row_is_the_same_in_every_kernel_and_chunking(kind, window, ri
 
 
 MATRIX = [(arch, "int8") for arch in ARCHS] + [("qwen2", "int4"), ("gemma3", "int4"), ("qwen2moe", "int4"),
-                                               ("qwen2-gguf", "auto"), ("gemma3-gguf", "auto")]
+                                               ("qwen2-gguf", "auto")]
 
 
 def xfail_mla(arch: str):
@@ -143,9 +143,8 @@ def test_rows_do_not_depend_on_batch_or_chunks(engines, model, fmt):
 SPLITS = [16, 32, 20, 40, 64]  # 1 and 2 blocks, mid-block, all but the last token (prompts of 65)
 
 
-@pytest.mark.parametrize("model,fmt", [xfail_mla(m) for m in [("qwen2", "int8"), ("gemma3", "int8"), ("qwen3moe", "int8"),
-                                                              ("qwen2", "int4"), ("qwen2-gguf", "auto"),
-                                                              ("deepseek_v2", "int8")]])
+@pytest.mark.parametrize("model,fmt", [("qwen2", "int8"), ("gemma3", "int8"), ("qwen3moe", "int8"), ("qwen2", "int4"),
+                                       ("qwen2-gguf", "auto")])
 def test_cached_prefix_gives_the_uncached_answer(engines, model, fmt):
     prompts = prompts_of([65] * len(SPLITS), seed=2)
     ref = reference(engines, model, fmt, prompts)
@@ -175,8 +174,9 @@ def test_disk_hit_equals_ram_hit_equals_no_cache(engines, model_dirs, tmp_path):
     cold_process.close()
 
 
-@pytest.mark.parametrize("spec", ["ngram", "draft"])
-@pytest.mark.parametrize("model,fmt", [("qwen2", "int8"), ("qwen2", "int4"), ("qwen2-gguf", "auto")])
+@pytest.mark.parametrize("model,fmt,spec", [("qwen2", "int8", "ngram"), ("qwen2", "int4", "ngram"),
+                                            ("qwen2-gguf", "auto", "ngram"), ("qwen2", "int8", "draft"),
+                                            ("qwen2", "int4", "draft")])  # the draft shares the tiny tokenizer
 def test_speculation_gives_plain_decoding_bit_for_bit(engines, model_dirs, model, fmt, spec):
     prompts = prompts_of(LENGTHS, seed=4)
     ref = reference(engines, model, fmt, prompts)
@@ -188,7 +188,13 @@ def test_speculation_gives_plain_decoding_bit_for_bit(engines, model_dirs, model
 
 
 @pytest.mark.parametrize("model,fmt", [("qwen2", "int8"), ("llama", "int8"), ("qwen2-gguf", "auto")])
-def test_bounded_head_gives_the_whole_heads_tokens(engines, model, fmt):
+def test_bounded_head_gives_the_whole_heads_tokens(engines, model, fmt, monkeypatch):
+    """The tiny vocabulary is below the bounded head's MIN_VOCAB and its bound loose: both lifted, so that
+    steps of up to four greedy rows take it."""
+    from sudu.layers import bounded_head
+
+    monkeypatch.setattr(bounded_head, "MIN_VOCAB", 0)
+    monkeypatch.setattr(bounded_head, "MAX_TILE_FRACTION", 1.0)
     prompts = prompts_of(LENGTHS[:8], seed=5)
     tokens_only = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     ref = [t for t, _ in reference(engines, model, fmt, prompts, tokens_only)]
@@ -196,6 +202,8 @@ def test_bounded_head_gives_the_whole_heads_tokens(engines, model, fmt):
     assert llm.engine.runner.bounded_head is not None
     assert [r.token_ids for r in llm.generate(prompts[:2], tokens_only)] == ref[:2]  # steps the bounded head serves
     assert [llm.generate([p], tokens_only)[0].token_ids for p in prompts] == ref
+    head = llm.engine.runner.bounded_head
+    assert head.calls - head.whole_head > TOKENS  # steps really took the bounded head
 
 
 def test_seeded_sampling_ignores_neighbours_and_cache(engines):
