@@ -52,9 +52,10 @@ def main() -> None:
     ap.add_argument("--modes", default="default,fast", help="default (invariant) and/or fast (--fast-math)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="one JSON line per mode instead of the table")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    common = dict(progress=False, speculative="none", enable_prefix_caching=False)
+    common = dict(progress=False, speculative="none", enable_prefix_caching=False, num_threads=args.threads)
     if args.model:
         common["model"] = args.model
     engines = {m: LLM(**common, **({"fast_math": True} if m == "fast" else {})) for m in modes}

@@ -110,8 +110,8 @@ def test_attention_row_is_the_same_in_every_kernel_and_chunking(kind, window, ri
     chunks = torch.cat([attend([(s, e)]) for s, e in [(0, 37), (37, 101), (101, 150)]])
     assert torch.equal(chunks, whole)
     assert torch.equal(torch.cat([attend([(s, s + 16)]) for s in range(0, 144, 16)] + [attend([(144, 150)])]), whole)
-    decoded = torch.cat([attend([(p, p + 1)]) for p in range(n)])
-    assert torch.equal(decoded, whole)
+    decoded = torch.cat([attend([(p, p + 1)]) for p in range(0, n, 3)])
+    assert torch.equal(decoded, whole[::3])
     batched = attend([(p, p + 1) for p in (149, 3, 70, 64, 63, 0)])  # one decode step of six sequences
     assert torch.equal(batched, whole[[149, 3, 70, 64, 63, 0]])
     verify = attend([(60, 65), (140, 145), (2, 7)])  # 5 rows each: the decode kernel's multi-row path
