@@ -83,6 +83,11 @@ class EngineConfig:
     # the finish never wait); 1 = every step's. Larger: fewer, burstier stream items, cheaper per token
     # through Ray Serve (engine/stream_interval.py, docs/cluster.md)
     stream_interval: int = 1
+    # false (the default): a request's greedy and seeded output is a function of the request alone, whatever
+    # shares its steps, however its prompt is chunked or cached (docs/exactness.md). true: long prompt chunks'
+    # linears as bfloat16 (AMX) or float32 (AVX2) GEMMs and their attention in bfloat16, faster prompts whose
+    # numbers depend on the chunk's row count (the price and gain: docs/exactness.md)
+    fast_math: bool = False
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 

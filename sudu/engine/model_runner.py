@@ -126,8 +126,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config)
         self.device = resolve_device(config.device)
         self.block_size = config.block_size
-        # prompt chunks' attention in bfloat16 where their linears run as bfloat16 GEMMs (CPU only)
-        self.prefill_sdpa_dtype = prefill_attention_dtype(model) if self.device.type == "cpu" else None
+        # (PREFILL_DTYPE, PREFILL_MIN_ROWS) of every step: the integer kernel at every row count, or with
+        # --fast-math GEMMs for long prompt chunks (layers/linear.py fast_prefill)
+        self.prefill_path = linear.fast_prefill(config.fast_math and self.device.type == "cpu")
+        # with --fast-math, prompt chunks' attention in bfloat16 where their linears run as bfloat16 GEMMs
+        with linear.prefill_path_as(self.prefill_path[1], self.prefill_path[0]):
+            self.prefill_sdpa_dtype = prefill_attention_dtype(model) if self.device.type == "cpu" else None
         self.keep_hidden = False  # set by a drafter that reads the target's hidden states (MTP)
         self.last_hidden: torch.Tensor | None = None
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
@@ -211,7 +215,9 @@ class ModelRunner:
         if self.device.type != "cpu":  # one copy of the step's metadata
             meta = meta.to(self.device)
             ids_t, positions_t = ids_t.to(self.device), positions_t.to(self.device)
-        hidden = self.model(ids_t, positions_t, meta) if hidden_in is None else self.model(ids_t, positions_t, meta, hidden_in)
+        with linear.prefill_path_as(self.prefill_path[1], self.prefill_path[0]):
+            hidden = (self.model(ids_t, positions_t, meta) if hidden_in is None
+                      else self.model(ids_t, positions_t, meta, hidden_in))
         if self.keep_hidden:
             self.last_hidden = hidden
         if not sample_rows:
@@ -235,5 +241,5 @@ class ModelRunner:
                 first = max(0, start + 1 - window)  # the earliest key the first new token can see
                 sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
         ctx_slots = context_slots([s.seq.block_table for s in scheduled], ends, bs)
-        sdpa_dtype = self.prefill_sdpa_dtype if sum(q_lens) >= linear.PREFILL_MIN_ROWS else None
+        sdpa_dtype = self.prefill_sdpa_dtype if sum(q_lens) >= self.prefill_path[1] else None
         return build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys, sdpa_dtype)

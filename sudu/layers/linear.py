@@ -11,19 +11,18 @@ Formats (accumulation in float32; see the dispatch below for the activations):
 Both are stored as the kernel reads them: rows in tiles of 16 (pack), so that one vector operation
 covers one block of 16 rows.
 
-Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py for the figures):
-  M <  PREFILL_MIN_ROWS  the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
-                         blocks of 32 (llama.cpp's Q8 activations), integer dot products against the
-                         quantized weights (AVX2, or AVX-512 VNNI where present), each weight row read from
-                         memory once per call whatever M is. One row is bound by memory bandwidth; a batch
-                         of 8 costs far less than 8 rows one by one. Every row takes the same float operations at every
-                         M and on either instruction set, so results are bit for bit independent of the
-                         batch: greedy speculative decoding stays identical to plain decoding.
-  M >= PREFILL_MIN_ROWS  prefill chunks: dequantize slices of output channels (each temporary under
-                         DEQUANT_SLICE_BYTES) and run GEMMs. Which side of the switch is faster depends on
-                         the CPU's multiply units (prefill_path below): with AMX tiles, bfloat16 GEMMs from 256
-                         rows; with AVX-512 VNNI and no AMX, the integer kernel at every row count (its int8
-                         dot products issue at twice bfloat16's rate there); AVX2 only, float32 GEMMs from 513.
+Dispatch (see benchmarks/linear_kernels.py for the figures): by default every call, whatever its number of
+activation rows M, takes the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
+blocks of 32 (llama.cpp's Q8 activations), integer dot products against the quantized weights (AVX2, or
+AVX-512 VNNI where present), each weight row read from memory once per call whatever M is. One row is bound
+by memory bandwidth; a batch of 8 costs far less than 8 rows one by one. Every row takes the same float
+operations at every M and on either instruction set, so results are bit for bit independent of the batch,
+of how a prompt is chunked and of what is cached (docs/exactness.md).
+With --fast-math (fast_prefill below) prompt chunks of PREFILL_MIN_ROWS+ rows instead dequantize slices of
+output channels (each temporary under DEQUANT_SLICE_BYTES) and run GEMMs, where that is faster on the CPU's
+multiply units (prefill_path): with AMX tiles, bfloat16 GEMMs from 256 rows; AVX2 only, float32 GEMMs from
+513; with AVX-512 VNNI and no AMX, never (its int8 dot products issue at twice bfloat16's rate there). A
+row's numbers then depend on how many rows share its step: opt-in, with its price in docs/exactness.md.
 Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
 PyTorch ops: correct, but decode loses the quantization speed-up. (PyTorch's own packed kernels,
 _weight_int8pack_mm / _weight_int4pack_mm_for_cpu, need bf16 activations, per-channel int8 or their own
@@ -58,8 +57,8 @@ NEVER = 1 << 62  # PREFILL_MIN_ROWS where no row count takes the GEMM
 
 
 def prefill_path() -> tuple[torch.dtype, int]:
-    """(PREFILL_DTYPE, PREFILL_MIN_ROWS): the GEMM's element type for prompt chunks and the fewest rows that take
-    it instead of the integer kernel, chosen by which is faster on this CPU's multiply units
+    """--fast-math's (PREFILL_DTYPE, PREFILL_MIN_ROWS): the GEMM's element type for prompt chunks and the fewest
+    rows that take it instead of the integer kernel, chosen by which is faster on this CPU's multiply units
     (`python -m benchmarks.native_kernels --rows 64,256,512,2048 --gemm`; figures in docs/cpu_speed.md):
     - AMX: oneDNN's bfloat16 tile GEMMs run at several times the kernel's rate from a few hundred rows;
     - AVX-512 VNNI without AMX (Zen 4, AVX-512 Xeons whose AMX is not granted): `vpdpbusd` does twice the
@@ -72,7 +71,14 @@ def prefill_path() -> tuple[torch.dtype, int]:
     return torch.float32, 513
 
 
-PREFILL_DTYPE, PREFILL_MIN_ROWS = prefill_path()
+# The invariant default: the integer kernel at every row count (fast_prefill switches it per engine step).
+PREFILL_DTYPE, PREFILL_MIN_ROWS = torch.float32, NEVER
+
+
+def fast_prefill(fast_math: bool) -> tuple[torch.dtype, int]:
+    """(PREFILL_DTYPE, PREFILL_MIN_ROWS) an engine runs its steps with: the invariant default, or with
+    fast_math prefill_path's GEMMs for long prompt chunks."""
+    return prefill_path() if fast_math else (torch.float32, NEVER)
 
 
 @contextlib.contextmanager
