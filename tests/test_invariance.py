@@ -15,7 +15,7 @@ import torch
 from sudu import kernels
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
-from tests.tiny_models import save_tiny_model
+from tests.helpers.tiny_models import save_tiny_model
 
 ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v2"]
 LENGTHS = [3, 70, 16, 17, 5, 31, 64, 65, 12, 100, 33, 48, 7, 90, 129, 40]  # 16 prompts, mixed lengths
@@ -49,7 +49,7 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("invariance_models")
     dirs = {arch: save_tiny_model(root / arch, arch) for arch in ARCHS}
     dirs["draft"] = save_tiny_model(root / "draft", "qwen2", seed=5)
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     write_tiny_gguf(root / "qwen2.gguf", "qwen2")
     dirs["qwen2-gguf"] = root / "qwen2.gguf"
