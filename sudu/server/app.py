@@ -14,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from fastapi import Depends, FastAPI
 
@@ -30,36 +28,11 @@ from sudu.server.errors import install_error_handlers
 from sudu.server.limits import BodySizeLimit, PreparePool, ServerLimits
 from sudu.server.metrics import ServerMetrics
 from sudu.server.routes import _admit, api_routes, open_routes
+from sudu.server.state import ServerState
 
 logger = logging.getLogger("sudu.server")
 
 LOAD_THREAD = "sudu-load-model"  # the thread loading the model (commands/serve.py checks it at exit)
-
-
-@dataclass
-class ServerState:
-    engine: ServingEngine | None
-    served_model_name: str | None
-    api_key: str | None
-    shutdown_timeout_s: float
-    metrics: ServerMetrics
-    pool: PreparePool
-    load_engine: Callable[[], ServingEngine] | None = None
-    on_load_error: Callable[[BaseException], None] | None = None
-    on_engine_failure: Callable[[str], None] | None = None
-    # /health's answer once the engine is ready, where the engine has more to say than 200 `ok` (a cluster's
-    # replicas): (status code, body)
-    health: Callable[[], Awaitable[tuple[int, dict]]] | None = None
-    load_error: str | None = None
-    engine_failure: str | None = None  # why the engine cannot continue, once it cannot
-    draining: bool = False
-    drained: asyncio.Event | None = None
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    started_at: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def model_id(self) -> str:
-        return self.served_model_name or self.engine.model_name
 
 
 def build_app(
