@@ -174,9 +174,11 @@ def markdown(c: dict) -> str:
     t = c["targets"]
     head = f"Targets: p99 TTFT {_ms(t['ttft_p99_s'])}, p99 ITL {_ms(t['itl_p99_s'])}."
     if c["answer"] is None:
-        first = c["probes"][0] if c["probes"] else None
-        why = "; ".join(first["misses"]) if first else "no level ran"
-        ans = f"No level met the targets, not even the lowest ({why})."
+        failed = [p for p in c["probes"] if not p["passed"]]
+        passed = [p["load"] for p in c["probes"] if p["passed"] and p["phase"] == "search"]
+        why = "; ".join(failed[-1]["misses"]) if failed else "no level ran"
+        ans = (f"No level meets the targets reliably: {max(passed):g} met them in the search but missed a "
+               f"confirmation run ({why})." if passed else f"No level met the targets, not even the lowest ({why}).")
     else:
         conf = ", ".join("passed" if r["passed"] else "missed (" + "; ".join(r["misses"]) + ")" for r in c["confirmations"])
         ans = (f"Capacity: {c['answer']:g} {unit}" + (" (the search's maximum: the knee is higher)" if c["reached_max"] else "")
