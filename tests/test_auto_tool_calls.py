@@ -139,7 +139,10 @@ def test_lazy_grammar_free_text_unchanged_then_call_constrained(tiny_model_dirs)
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].outputs[0]
     ids = list(free.token_ids)
     k = next(i for i in range(4, len(ids)) if ids[i] not in ids[:i])  # a token the free answer writes first at k
-    opening, closing = ids[k], next(t for t in range(llm.tokenizer.vocab_size) if t not in ids)
+    stops = set(llm.tokenizer.eos_token_ids)  # the closing tag must be an ordinary token the grammar can force
+    opening = ids[k]
+    closing = next(t for t in range(10, llm.tokenizer.vocab_size)
+                   if t not in ids and t not in stops and not llm.tokenizer.is_special(t))
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
               "additionalProperties": False}
     grammar = G.lazy_tool_calls_grammar([{"name": "get_weather", "parameters": schema}], opening, closing)
