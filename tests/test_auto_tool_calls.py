@@ -138,8 +138,9 @@ def test_lazy_grammar_free_text_unchanged_then_call_constrained(tiny_model_dirs)
     prompt = llm.tokenizer.encode("def add(a, b):\n    return a + b\n", add_special_tokens=False)
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].outputs[0]
     ids = list(free.token_ids)
-    k = next(i for i in range(4, len(ids)) if ids[i] not in ids[:i])  # a token the free answer writes first at k
-    stops = set(llm.tokenizer.eos_token_ids)  # the closing tag must be an ordinary token the grammar can force
+    stops = set(llm.tokenizer.eos_token_ids)  # the tags must be ordinary tokens the grammar can force
+    k = next(i for i in range(4, len(ids))  # a token the free answer writes first at k
+             if ids[i] not in ids[:i] and ids[i] not in stops and not llm.tokenizer.is_special(ids[i]))
     opening = ids[k]
     closing = next(t for t in range(10, llm.tokenizer.vocab_size)
                    if t not in ids and t not in stops and not llm.tokenizer.is_special(t))
@@ -151,7 +152,8 @@ def test_lazy_grammar_free_text_unchanged_then_call_constrained(tiny_model_dirs)
     same = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
                                                  grammar=never))[0].outputs[0]
     assert list(same.token_ids) == ids
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=200, grammar=grammar))[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True,
+                                                grammar=grammar))[0].outputs[0]
     got = list(out.token_ids)
     assert got[:k + 1] == ids[:k + 1]  # free text token for token, then the tag
     end = got.index(closing, k + 1)
