@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from sudu.layers.linear import GROUP_SIZE
+from sudu.quant.formats import GROUP_SIZE
 from sudu.commands.roofline import measure_bandwidth_gbs
 from sudu.sampling import SamplingParams
 

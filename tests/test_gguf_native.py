@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sudu import kernels
-from sudu.layers import gguf_native, linear
+from sudu.engine import network
+from sudu.layers import fuse, gguf_native, linear
 from sudu.weights.gguf import QuantizedTensor
 from tests.helpers.native_blocks import BLOCKS, isas, random_tensor
 
@@ -143,7 +144,7 @@ def test_fused_layers_of_mixed_formats_equal_their_parts():
     k = 512
     parts = [gguf_native.native_layer(random_tensor(t, n, k, seed=i), torch.randn(n) if i != 1 else None)
              for i, (t, n) in enumerate([("Q5_0", 64), ("Q4_K", 32), ("Q8_0", 32), ("Q6_K", 16)])]
-    fused = linear.fuse_linears(parts)
+    fused = fuse.fuse_linears(parts)
     assert fused is not None and fused.fmt == "native" and fused.out_features == 144
     assert [f for f, _ in gguf_native.segments(fused.qweight)] == [gguf_native.Q5_0, gguf_native.Q4_K,
                                                                     gguf_native.INT8, gguf_native.Q6_K]
@@ -151,7 +152,7 @@ def test_fused_layers_of_mixed_formats_equal_their_parts():
     for m in (1, 7):
         assert torch.equal(fused(x[:m]), torch.cat([p(x[:m]) for p in parts], dim=1))
     assert torch.equal(fused.dequantized_weight(), torch.cat([p.dequantized_weight() for p in parts]))
-    same = linear.fuse_linears([parts[0], gguf_native.native_layer(random_tensor("Q5_0", 48, k, seed=9), None)])
+    same = fuse.fuse_linears([parts[0], gguf_native.native_layer(random_tensor("Q5_0", 48, k, seed=9), None)])
     assert len(gguf_native.segments(same.qweight)) == 1  # one format: one segment
 
 
@@ -178,13 +179,13 @@ def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):
     write_tiny_gguf(tmp_path / "m.gguf", "qwen2")
     write_tiny_gguf(tmp_path / "tied.gguf", "qwen2", tied=True)
     tied = load_checkpoint(str(tmp_path / "tied.gguf"), progress=False)
-    tied_model = linear.quantize_model(load_network(tied.config, tied.tensors(torch.float32), torch.float32), tied, "native")
+    tied_model = network.quantize_model(load_network(tied.config, tied.tensors(torch.float32), torch.float32), tied, "native")
     # the file stores the tied table once (Q8_0): the head runs those blocks and the lookup shares its tiles
     assert tied_model.model.embed_tokens.qweight is tied_model.lm_head.qweight
     assert torch.equal(tied_model.lm_head.dequantized_weight()[:259], dequantize(tied.quantized("model.embed_tokens.weight")))
     ckpt = load_checkpoint(str(tmp_path / "m.gguf"), progress=False)
     model = load_network(ckpt.config, ckpt.tensors(torch.float32), torch.float32)
-    linear.quantize_model(model, ckpt, "native")
+    network.quantize_model(model, ckpt, "native")
     checked = 0
     for name, module in model.named_modules():
         if isinstance(module, linear.QuantizedLinear):
@@ -255,6 +256,6 @@ def test_native_weights_are_not_dequantized_at_load_and_none_is_left_unwritten(t
     assert dequantized and not any(n.endswith(("v_proj.weight", "gate_proj.weight", "lm_head.weight",
                                                "embed_tokens.weight")) for n in dequantized)
     assert any(n.endswith("q_proj.weight") for n in dequantized)  # the file's float q: dequantized as before
-    monkeypatch.setattr(gguf_native, "quantize_native", lambda model, ckpt: model)
+    monkeypatch.setattr(network, "quantize_native", lambda model, ckpt: model)  # engine/network.py calls it
     with pytest.raises(SuduError, match="placeholder"):
         LLM(str(path), progress=False, kv_cache_memory=1 << 20)

@@ -8,7 +8,7 @@ import gguf
 import pytest
 
 from sudu.layers.gguf_native import NATIVE_TYPES
-from sudu.layers.linear import GROUP_SIZE
+from sudu.quant.formats import GROUP_SIZE
 from sudu.commands.roofline import FORMATS, bytes_per_token
 from sudu.weights.catalog import CATALOG, DEFAULT_MODEL, pull
 from sudu.weights.loader import load_checkpoint

@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from sudu.layers.linear import GROUP_SIZE
+from sudu.quant.formats import GROUP_SIZE
 
 # weight format -> (engine settings, bytes per linear weight, bytes per other parameter)
 FORMATS = {

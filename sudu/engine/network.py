@@ -4,18 +4,25 @@ pages on the CPU). Model surgery lives here so that model files stay the network
 model."""
 from __future__ import annotations
 
-import torch
+import logging
 
+import torch
+from torch import nn
+
+from sudu import kernels
 from sudu.config import EngineConfig
-from sudu.cuda.quant_linear import quantize_model_cuda
-from sudu.host.huge_pages import move_to_huge_pages
+from sudu.cuda.quant_linear import TritonQuantizedLinear
 from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
 from sudu.errors import SuduError
-from sudu.layers.gguf_native import native_tensor_names
-from sudu.layers.linear import quantize_model, resolve_format
+from sudu.host.huge_pages import move_to_huge_pages
+from sudu.layers.gguf_native import native_tensor_names, quantize_native
+from sudu.layers.linear import QuantizedLinear
 from sudu.layers.rotary import RotaryEmbedding
 from sudu.model_config import ModelConfig
 from sudu.models import build_model
+from sudu.quant.formats import FORMATS, GROUP_SIZE, q8_0_blocks
+
+log = logging.getLogger(__name__)
 
 
 def load_network(model_cfg: ModelConfig, tensors, dtype: torch.dtype) -> torch.nn.Module:
@@ -92,3 +99,89 @@ def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
     if hasattr(model, "prepare_native_decode"):  # llama family: the one-call decode stack (kernels/decoder.cpp)
         model.prepare_native_decode()
     return model, fmt
+
+
+# What `--quantization auto` (the default) picks for a checkpoint whose weights are already quantized (GGUF
+# files such as the catalog's Q4_K_M): the file's own blocks (layers/gguf_native.py), the file's exact
+# values. int8 and int4 re-quantize them and stay as explicit choices (docs/cpu_speed.md compares the three).
+# Float checkpoints stay float.
+AUTO_FORMAT = "native"
+FLOAT_GGML_TYPES = {"F32", "F16", "BF16"}
+
+
+def resolve_format(requested: str, ckpt) -> str:
+    """The weight format an engine runs: `requested`, or for "auto" AUTO_FORMAT when the checkpoint's
+    linear weights come quantized and "none" when they come as floats."""
+    if requested != "auto":
+        return requested
+    if ckpt is None or getattr(ckpt, "format", None) != "gguf":
+        return "none"
+    for name in ckpt.tensor_names():
+        qt = ckpt.quantized(name)
+        if name.endswith("proj.weight") and qt is not None and qt.ggml_type not in FLOAT_GGML_TYPES:
+            return AUTO_FORMAT
+    return "none"
+
+
+def replace_linears(model: nn.Module, ckpt, fmt: str, group_size: int, build) -> int:
+    """Every nn.Linear whose input width is a multiple of group_size (itself a multiple of 32) replaced in place
+    by build(module, its GGUF tensor or None); the others stay float (a warning names them). Returns how many
+    were replaced."""
+    replaced, kept = 0, []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        if module.in_features % group_size != 0 or group_size % 32 != 0:
+            kept.append(name)
+            continue
+        qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
+        with torch.no_grad():
+            new = build(module, qt)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced += 1
+    if kept:
+        log.warning("quantization %s: kept %d linear layers in float (input width not a multiple of %d): %s",
+                    fmt, len(kept), group_size, ", ".join(kept[:3]))
+    return replaced
+
+
+def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
+    """Replace every nn.Linear whose input width is a multiple of the group size with a QuantizedLinear,
+    in place, in format `fmt` (native: layers/gguf_native.py quantize_native). Q8_0
+    tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is quantized from
+    the loaded float weights. Layers that do not fit the group size stay float."""
+    if fmt == "native":
+        return quantize_native(model, ckpt)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization {fmt!r}; expected none, native, {', '.join(FORMATS)}")
+
+    def build(module: nn.Linear, qt) -> nn.Module:
+        if fmt == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
+            q, s = q8_0_blocks(qt)
+            return QuantizedLinear("int8", q, s, None, module.bias, module.in_features, group_size)
+        return QuantizedLinear.from_float(fmt, module.weight, module.bias, group_size)
+
+    replaced = replace_linears(model, ckpt, fmt, group_size, build)
+    log.info("quantization %s: %d linear layers, native kernels %s", fmt, replaced,
+             "on" if kernels.load() is not None else f"off ({kernels.disabled_reason() or 'compile failed'})")
+    return model
+
+
+def quantize_model_cuda(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
+    """quantize_model for the CUDA path: every nn.Linear whose input width is a multiple of
+    the group size becomes a TritonQuantizedLinear in `fmt`, in place (on the host; the caller moves the
+    network). Q8_0 tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is
+    quantized from the loaded float weights. Layers that do not fit the group size stay float."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization {fmt!r} on CUDA; expected none, {', '.join(FORMATS)}")
+    if group_size != GROUP_SIZE:
+        raise ValueError(f"the CUDA kernels take groups of {GROUP_SIZE}, not {group_size}")
+    def build(module: nn.Linear, qt) -> nn.Module:
+        if fmt == "int8" and qt is not None and qt.ggml_type == "Q8_0":
+            return TritonQuantizedLinear.from_q8_0(qt, module.bias)
+        return TritonQuantizedLinear.from_float(fmt, module.weight, module.bias)
+
+    replaced = replace_linears(model, ckpt, fmt, group_size, build)
+    log.info("quantization %s: %d linear layers, Triton kernels", fmt, replaced)
+    return model

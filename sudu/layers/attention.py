@@ -21,7 +21,7 @@ from sudu import kernels
 from sudu.cuda.paged_attention import PagedBatch
 from sudu.cuda.paged_attention import paged_attention as paged_kernel
 from sudu.layers.kv_cache import NATIVE_POOL_DTYPES, Int8KVCache, KVCache
-from sudu.layers.linear import fuse_linears
+from sudu.layers.fuse import fuse_linears
 
 _EMPTY = torch.empty(0)  # a float pool's scales
 

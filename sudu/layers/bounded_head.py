@@ -34,7 +34,8 @@ from sudu import kernels
 from sudu.host.huge_pages import move_to_huge_pages
 from sudu.host.memory import release_freed_memory
 from sudu.layers.gguf_native import segments
-from sudu.layers.linear import TILE_BLOCK_BYTES, TILE_ROWS, QuantizedLinear, dequantize_torch, pack, quantize_int4
+from sudu.layers.linear import QuantizedLinear
+from sudu.quant.formats import TILE_BLOCK_BYTES, TILE_ROWS, dequantize_torch, pack, quantize_int4
 from sudu.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

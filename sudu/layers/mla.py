@@ -23,7 +23,8 @@ from torch import nn
 
 from sudu.layers.attention import AttentionMetadata
 from sudu.layers.kv_cache import KVCache
-from sudu.layers.linear import FloatWeight, fuse_linears
+from sudu.layers.fuse import fuse_linears
+from sudu.layers.linear import FloatWeight
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import apply_rotary, yarn_mscale
 

@@ -7,7 +7,8 @@ from torch import nn
 
 from sudu import kernels
 from sudu.layers import linear
-from sudu.layers.linear import QuantizedLinear, fuse_linears
+from sudu.layers.fuse import fuse_linears
+from sudu.layers.linear import QuantizedLinear
 
 ACTIVATIONS = {
     "silu": F.silu,

@@ -25,11 +25,12 @@ import torch
 
 from sudu.engine.block_manager import BlockManager
 from sudu.engine.model_runner import ModelRunner, kv_bytes_per_token
+from sudu.engine.network import quantize_model
 from sudu.engine.placement import resolve_dtype
 from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
 from sudu.engine.spec.verify import Draft, target_distribution
-from sudu.layers.linear import FORMATS, quantize_model
+from sudu.quant.formats import FORMATS
 from sudu.layers.sampler import SamplingRow, argmax_rows
 from sudu.models.mtp import load_mtp_network
 
