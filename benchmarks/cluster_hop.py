@@ -78,7 +78,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="repeat the configurations in turn")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.tiny_models import save_tiny_model
+    from tests.helpers.tiny_models import save_tiny_model
 
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]

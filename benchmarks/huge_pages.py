@@ -1,4 +1,4 @@
-"""Weights in huge pages (engine/huge_pages.py) against the same weights in ordinary 4 KiB pages, in one
+"""Weights in huge pages (host/huge_pages.py) against the same weights in ordinary 4 KiB pages, in one
 process: the engine loads its weights into huge pages, this script makes a second copy of every moved
 weight in ordinary memory, and the two copies take turns, step by step for decode (speculation off, so a
 step is one token per sequence) and prompt by prompt for cold prompts. The first lines are the machine's ceiling:
@@ -17,9 +17,9 @@ import time
 import torch
 
 from sudu.bench.workloads import CHAT_CODE_PROMPTS
-from sudu.engine import huge_pages
+from sudu.host import huge_pages
 from sudu.engine.llm import LLM
-from sudu.roofline import measure_bandwidth_gbs
+from sudu.commands.roofline import measure_bandwidth_gbs
 from sudu.sampling import SamplingParams
 
 

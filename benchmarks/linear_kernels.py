@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from sudu import kernels
 from sudu.layers import linear as L
+from sudu.quant import formats as QF
 
 SHAPES = {"gate/up 896->4864": (4864, 896), "down 4864->896": (896, 4864), "lm_head 896->151936": (151936, 896)}
 
@@ -28,7 +29,7 @@ def candidates(n: int, k: int, by_isa: bool = False):
     torch.manual_seed(0)
     w = torch.randn(n, k) * 0.02
     wt = w.t().contiguous()
-    q8, s8 = L.quantize_int8(w, group_size=k)  # per-channel, the layout PyTorch's int8 kernel takes
+    q8, s8 = QF.quantize_int8(w, group_size=k)  # per-channel, the layout PyTorch's int8 kernel takes
     s8 = s8.float().reshape(n).bfloat16()
     q4 = torch.randint(0, 16, (n, k), dtype=torch.int32)
     packed4 = torch._convert_weight_to_int4pack_for_cpu(q4, 2)

@@ -23,7 +23,8 @@ def main() -> None:
     if args.zero_fill:
         kv_cache.zeroed_pool = lambda shape, dtype, device="cpu": torch.zeros(shape, dtype=dtype, device=device)
     from sudu.engine.llm import LLM
-    from sudu.engine.memory import kv_pool_tensors, resident_bytes, rss_bytes
+    from sudu.engine.memory import kv_pool_tensors
+    from sudu.host.memory import resident_bytes, rss_bytes
     from sudu.sampling import SamplingParams
 
     llm = LLM(args.model, progress=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sudu.engine.model_runner import kv_bytes_per_token
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.sampling import SamplingParams
 
 # name: (layers, heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
@@ -41,7 +41,7 @@ def kv_table() -> None:
 def save_random(path: Path, kind: str, layers: int) -> Path:
     from transformers import AutoModelForCausalLM, DeepseekV2Config, LlamaConfig
 
-    from tests.tiny_models import build_tokenizer
+    from tests.helpers.tiny_models import build_tokenizer
 
     common = dict(vocab_size=384, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
                   num_attention_heads=16, max_position_embeddings=8192, rms_norm_eps=1e-6)

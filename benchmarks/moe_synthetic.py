@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from sudu.layers.linear import GROUP_SIZE
-from sudu.roofline import measure_bandwidth_gbs
+from sudu.quant.formats import GROUP_SIZE
+from sudu.commands.roofline import measure_bandwidth_gbs
 from sudu.sampling import SamplingParams
 
 DENSE = "qwen2.5-coder-0.5b-instruct"
@@ -161,7 +161,7 @@ def top2(workdir: Path, tokens: int, rounds: int) -> None:
     import statistics
 
     from sudu.engine.llm import LLM
-    from sudu.roofline import bytes_per_token
+    from sudu.commands.roofline import bytes_per_token
 
     moe_dir = build_moe_dir(workdir / "moe-top2", top_k=2, router_seed=0)
     llm = LLM(str(moe_dir), speculative="none", progress=False, quantization="int8", num_threads=2)

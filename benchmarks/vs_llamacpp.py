@@ -152,7 +152,7 @@ class LlamaCpp:
 
 def main() -> None:
     from sudu.config import EngineConfig
-    from sudu.roofline import bytes_per_token, measure_bandwidth_gbs
+    from sudu.commands.roofline import bytes_per_token, measure_bandwidth_gbs
     from sudu.weights.catalog import resolve_model_path
     from sudu.weights.loader import load_checkpoint
 

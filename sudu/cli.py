@@ -1,5 +1,5 @@
-"""The `sudu` command: serve | generate | bench | models | roofline | cache. Each subcommand's flags and body live with
-the mechanism they drive; this file only wires them and turns user errors into one line + exit code."""
+"""The `sudu` command: serve | generate | bench | models | roofline | cache. Each subcommand's flags and body live in
+commands/ (bench's in bench/cli.py, models' in weights/catalog.py); this file only wires them and turns user errors into one line + exit code."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +9,11 @@ from sudu.errors import SuduError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sudu import generate, roofline
+    # imported here, not at the top: `sudu --help` and a CLI error should not pay for torch's import
     from sudu.bench import cli as bench_cli
-    from sudu.cache import cli as cache_cli
-    from sudu.server import cli as server_cli
+    from sudu.commands import cache as cache_cli
+    from sudu.commands import generate, roofline
+    from sudu.commands import serve as server_cli
     from sudu.weights import catalog
 
     parser = argparse.ArgumentParser(

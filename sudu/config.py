@@ -46,13 +46,22 @@ class EngineConfig:
     # allowance is per prompt in flight: engine/scheduler.py ChunkBudget)
     prefill_chunk_when_decoding: int = 0
     max_itl_factor: float = 2.0
+    # admission (engine/wait_predictor.py): a request whose predicted time to first token is longer than
+    # this many seconds is refused (the server answers 429 with Retry-After from the predicted drain time);
+    # 0 = admit every request the queue has room for. The default suits interactive use: an answer that
+    # starts later than this is better retried later or sent to another replica
+    max_queue_wait: float = 5.0
+    # waiting requests are ordered by priority (lower first), continuing sessions (prompt mostly cached)
+    # half a level ahead of cold first turns; every priority_aging_s seconds of waiting counts as one level
+    # more urgent, so no request starves (engine/schedule_policy.py)
+    priority_aging_s: float = 2.0
     enable_prefix_caching: bool = True
     # the context cache's disk tier (cache/disk_store.py): blocks written through as they fill, found again
     # across requests, restarts and servers sharing the directory. Size: 0 = off (the default here and in
     # the Python API), auto = min(10 GiB, 20% of the free space) (`sudu serve`'s default), or bytes (8GiB)
     disk_cache_size: str = "0"
     disk_cache_dir: str | None = None  # None -> $SUDU_HOME/kvcache
-    # auto | none | ngram | draft:MODEL | mtp (engine/speculative.py). auto: n-gram lookup for greedy requests
+    # auto | none | ngram | draft:MODEL | mtp (engine/spec/). auto: n-gram lookup for greedy requests
     # where it is lossless (the CPU kernels: native, int8 or int4 weights), else none
     speculative: str = "auto"
     # most draft tokens per sequence per step (adapted per sequence); 0 = the drafter's own default:
@@ -74,6 +83,11 @@ class EngineConfig:
     # the finish never wait); 1 = every step's. Larger: fewer, burstier stream items, cheaper per token
     # through Ray Serve (engine/stream_interval.py, docs/cluster.md)
     stream_interval: int = 1
+    # false (the default): a request's greedy and seeded output is a function of the request alone, whatever
+    # shares its steps, however its prompt is chunked or cached (docs/exactness.md). true: long prompt chunks'
+    # linears as bfloat16 (AMX) or float32 (AVX2) GEMMs and their attention in bfloat16, faster prompts whose
+    # numbers depend on the chunk's row count (the price and gain: docs/exactness.md)
+    fast_math: bool = False
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 
@@ -88,6 +102,10 @@ class EngineConfig:
             raise ValueError("prefill_chunk_when_decoding must be >= 0 (0 = auto)")
         if self.max_itl_factor <= 1.0:
             raise ValueError("max_itl_factor must be > 1")
+        if self.max_queue_wait < 0:
+            raise ValueError("max_queue_wait must be >= 0 (0 = no admission by predicted wait)")
+        if self.priority_aging_s <= 0:
+            raise ValueError("priority_aging_s must be > 0")
         if not 0 <= self.num_speculative_tokens <= 7:
             # k drafts + 1 verified rows must fit the native attention kernel (NATIVE_MAX_Q = 8), whose rows
             # do not depend on each other: what keeps greedy verification identical to plain decoding

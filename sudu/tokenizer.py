@@ -273,7 +273,7 @@ class Tokenizer:
         if len(text) < _GIL_FREE_MIN_CHARS:
             encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
         else:
-            # encode_batch runs without the GIL (encode holds it: ~2 s per MB of text), so a long prompt
+            # encode_batch runs without the GIL (encode holds it for the whole text), so a long prompt
             # tokenized in a worker thread never stalls the server's event loop or the engine thread
             encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if max_tokens is not None and len(encoding) > max_tokens:
@@ -308,12 +308,14 @@ class Tokenizer:
             raise
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    max_tokens: int | None = None, tools: list[dict] | None = None) -> list[int]:
+                    max_tokens: int | None = None, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         """The token ids of a conversation: the one chat -> ids path (server, `sudu generate --chat`,
         benchmarks). The template writes its own special tokens; BOS is added only where the tokenizer
         has one and the rendered text does not already start with it. tools: OpenAI tool definitions, for
-        templates that render them (sudu/tools/messages.py handles templates that do not)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
+        templates that render them (sudu/tools/messages.py handles templates that do not).
+        template_kwargs: further template variables (`enable_thinking`)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools=tools, **(template_kwargs or {}))
         bos = self.bos_token
         return self.encode(text, add_special_tokens=bool(bos) and not text.startswith(bos), max_tokens=max_tokens)
 
@@ -405,7 +407,7 @@ _BACKEND_CACHE_VERSION = "2"  # bump when the way a backend is built from metada
 
 
 def _cached_backend(inputs: tuple, build) -> RustTokenizer:
-    """SentencePiece merges are rebuilt from the vocabulary (~3 s for Gemma's 262k tokens); the result is
+    """SentencePiece merges are rebuilt from the vocabulary (seconds for Gemma's 262k tokens); the result is
     cached as tokenizer.json under $SUDU_HOME/tokenizers, keyed by a hash of everything the build reads."""
     digest = hashlib.sha256(_BACKEND_CACHE_VERSION.encode())
     for part in inputs:

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory):
     """arch -> a saved tiny random model directory (built once per test session)."""
-    from tests.tiny_models import save_tiny_model
+    from tests.helpers.tiny_models import save_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: save_tiny_model(root / arch, arch) for arch in ("qwen2", "llama", "gemma3")}

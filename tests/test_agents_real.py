@@ -12,8 +12,8 @@ import pytest
 
 from sudu.config import EngineConfig
 from sudu.server.app import build_app
-from tests.test_server_agents import collect_stream
-from tests.test_server_fake_engine import LiveServer
+from tests.helpers.live_server import collect_stream
+from tests.helpers.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import torch
 
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
-from tests.test_engine import GREEDY, prompts_of
-from tests.tiny_models import build_hf_model, save_tiny_model
+from tests.helpers.greedy import GREEDY, prompts_of
+from tests.helpers.tiny_models import build_hf_model, save_tiny_model
 
 ARCHS = ["qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v3"]
 

@@ -9,7 +9,7 @@ from sudu import kernels
 from sudu.layers import attention as A
 from sudu.layers.kv_cache import make_kv_cache
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 
 def scenario(kind: str, heads=6, kv_heads=2, head_dim=24, window=None, seed=0):
@@ -147,7 +147,7 @@ def test_prompt_chunks_attend_in_the_metadatas_sdpa_dtype(kind):
 @pytest.mark.parametrize("window", [None, 23])
 @pytest.mark.parametrize("head_dim", [24, 64])
 def test_prompt_kernel_matches_sdpa(kind, window, head_dim, monkeypatch):
-    """The native prompt-chunk kernel (kernels/prompt_attention.cpp) against SDPA on the same metadata: a
+    """The native prompt-chunk kernel (kernels/attention.cpp prompt_attention) against SDPA on the same metadata: a
     first chunk from position 0 (149 tokens: item and key blocks with ragged ends), a later chunk of 70 over
     90 cached keys (under a mask), grouped heads, sliding windows, a strided query; decode rows in the same
     step untouched."""
@@ -181,9 +181,10 @@ def test_prompt_kernel_matches_sdpa(kind, window, head_dim, monkeypatch):
 
 def test_prompt_kernel_rejects_bad_shapes():
     ext = kernels.load()
-    q, kv, out = torch.randn(10, 4, 16), torch.randn(12, 2, 16), torch.empty(10, 4, 16)
+    q, pool, out, none = torch.randn(10, 4, 16), torch.randn(12, 2, 16), torch.empty(10, 4, 16), torch.empty(0)
     with pytest.raises(RuntimeError, match="last of the keys"):
-        ext.prompt_attention(q, kv, kv, out, 5, 0, 0.25)  # 5 + 10 > 12 keys
+        ext.prompt_attention(q, pool, pool, none, none, torch.arange(12), out, 5, 0, 0.25)  # 5 + 10 > 12 keys
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        ext.prompt_attention(torch.randn(10, 4, 12), torch.randn(12, 2, 12), torch.randn(12, 2, 12),
+        pool12 = torch.randn(12, 2, 12)
+        ext.prompt_attention(torch.randn(10, 4, 12), pool12, pool12, none, none, torch.arange(12),
                              torch.empty(10, 4, 12), 2, 0, 0.25)

@@ -3,26 +3,18 @@ the definitions; tasks pass only with checked answers (every call counted); cach
 token-count gaps are flagged; Ctrl-C leaves a partial report; compare gives ratios with CIs and refuses
 mismatched cache states; the embedded-default path starts, waits for and stops a server."""
 import argparse
-import glob
-import json
 import re
 import sys
+import time
 
 import pytest
 
 from sudu.bench import cli as bench_cli
-from sudu.bench import compare, local_server, suites, tokens
+from sudu.bench import local_server, suites, tokens
 from sudu.bench.fake_server import FakeServer, chat_script
 from sudu.errors import SuduError
-from tests.test_bench_tasks import GOOD_ASYNC, GOOD_PALINDROME, GOOD_SQL, GOOD_SVG, needs_sandbox
-
-
-def run_cli(argv):
-    parser = argparse.ArgumentParser(prog="sudu")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench_cli.register_cli(sub)
-    args = parser.parse_args(["bench"] + argv)
-    return args.func(args)
+from tests.helpers.code_answers import GOOD_PALINDROME, GOOD_SQL, GOOD_SVG, needs_sandbox
+from tests.helpers.bench_cli import read_report, run_cli
 
 
 def _answer(body) -> str:
@@ -65,16 +57,9 @@ def server():
         yield srv
 
 
-def _report(out_dir, suite="*"):
-    paths = sorted(glob.glob(str(out_dir / f"{suite}-*.json")))
-    assert paths, "no JSON report written"
-    with open(paths[-1]) as f:
-        return paths[-1], json.load(f)
-
-
 def test_single_writes_reports(server, tmp_path, capsys):
     assert run_cli(["single", "--url", server.url, "-n", "12", "--out", str(tmp_path), "--warmup", "1"]) == 0
-    path, rep = _report(tmp_path, "single")
+    path, rep = read_report(tmp_path, "single")
     assert rep["schema"] == "sudu-bench/1" and not rep["partial"]
     assert set(rep["definitions"]) >= {"ttft_s", "tpot_s", "itl_s", "e2e_s", "throughput_tok_s", "cache_state"}
     assert rep["server_info"]["models"]["data"][0]["id"] == "fake" and rep["target"]["model"] == "fake"
@@ -91,7 +76,11 @@ def test_single_writes_reports(server, tmp_path, capsys):
     assert "attribution" in g and rep["environment"]["python"]
     assert rep["token_recount"].startswith("not recounted")
     html = open(path.replace(".json", ".html")).read()
-    assert html.count("data:image/png;base64,") >= 3
+    # interactive charts with plotly.js inlined: no script or style loaded from anywhere
+    assert html.count("Plotly.newPlot") >= 3 and "<script src" not in html and "id='headline'" in html
+    md = open(path.replace(".json", ".md")).read()
+    pngs = re.findall(r"!\[[^]]+\]\(([^)]+\.png)\)", md)
+    assert len(pngs) >= 3 and all((tmp_path / p).stat().st_size > 1000 for p in pngs)
     out = capsys.readouterr().out
     assert "| single | cold |" in out and "## Definitions" in out
 
@@ -99,7 +88,7 @@ def test_single_writes_reports(server, tmp_path, capsys):
 def test_throughput_sweep_and_goodput(server, tmp_path):
     run_cli(["throughput", "--url", server.url, "--concurrency", "1,4", "--rate", "200", "-n", "12",
              "--slo", "ttft=1s,tpot=1s", "--out", str(tmp_path), "--no-html"])
-    _, rep = _report(tmp_path, "throughput")
+    _, rep = read_report(tmp_path, "throughput")
     names = [g["name"] for g in rep["groups"]]
     assert names == ["concurrency=1", "concurrency=4", "rate=200"]
     for g in rep["groups"]:
@@ -121,7 +110,7 @@ def _max_in_flight(records) -> int:
 def test_concurrency_limits_hold(server, tmp_path):
     run_cli(["throughput", "--url", server.url, "--concurrency", "3", "--rate", "500", "--max-concurrency", "2",
              "-n", "15", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
-    _, rep = _report(tmp_path, "throughput")
+    _, rep = read_report(tmp_path, "throughput")
     for name, limit in (("concurrency=3", 3), ("rate=500", 2)):
         recs = [r for r in rep["records"] if r["group"] == name]
         assert len(recs) == 15 and _max_in_flight(recs) <= limit
@@ -132,7 +121,7 @@ def test_cache_suite_flags_contradictions(server, tmp_path):
     # the fake server reports 32 cached tokens when it has seen the first message before: the salt keeps
     # cold prompts at 0, warm and shared-prefix ones hit: no contradiction
     run_cli(["cache", "--url", server.url, "--lengths", "50", "-n", "2", "--out", str(tmp_path), "--no-html"])
-    _, rep = _report(tmp_path, "cache")
+    _, rep = read_report(tmp_path, "cache")
     assert [g["cache_state"] for g in rep["groups"]] == ["cold", "warm", "shared-prefix"]
     assert rep["groups"][1]["observed_cache"]["mean_cached_tokens"] == 32
     assert rep["flags"] == []
@@ -145,14 +134,14 @@ def test_cache_contradiction_flagged(tmp_path):
 
     with FakeServer(liar) as srv:
         run_cli(["single", "--url", srv.url, "-n", "2", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
-    _, rep = _report(tmp_path, "single")
+    _, rep = read_report(tmp_path, "single")
     assert len(rep["flags"]) == 2 and "declared cold but 384 cached tokens" in rep["flags"][0]
 
 
 @needs_sandbox
 def test_tasks_are_checked_and_every_call_counted(server, tmp_path):
     run_cli(["tasks", "--url", server.url, "--out", str(tmp_path), "--context-len", "1024", "--no-html"])
-    _, rep = _report(tmp_path, "tasks")
+    _, rep = read_report(tmp_path, "tasks")
     by_task = {t["task"]: t for t in rep["task_runs"]}
     for name in ("retrieval", "palindrome", "sql"):
         assert by_task[name]["passed"] and by_task[name]["calls"] == 1 and by_task[name]["task_time_s"] > 0
@@ -187,7 +176,7 @@ def test_interrupt_writes_partial_report(server, tmp_path, monkeypatch):
     monkeypatch.setattr(suites, "send", flaky_send)
     with pytest.raises(KeyboardInterrupt):
         run_cli(["single", "--url", server.url, "-n", "10", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
-    _, rep = _report(tmp_path, "single")
+    _, rep = read_report(tmp_path, "single")
     assert rep["partial"] is True and len(rep["records"]) == 4
     assert any("interrupted" in n for n in rep["notes"])
 
@@ -195,7 +184,7 @@ def test_interrupt_writes_partial_report(server, tmp_path, monkeypatch):
 def test_compare_two_real_reports(server, tmp_path, capsys):
     for name in ("a", "b"):
         run_cli(["single", "--url", server.url, "-n", "10", "--out", str(tmp_path / name), "--no-html"])
-    pa, pb = _report(tmp_path / "a")[0], _report(tmp_path / "b")[0]
+    pa, pb = read_report(tmp_path / "a")[0], read_report(tmp_path / "b")[0]
     assert run_cli(["compare", pa, pb]) == 0
     out = capsys.readouterr().out
     assert "| single | cold | ttft_s |" in out and "FORCED" not in out
@@ -218,7 +207,7 @@ def test_failed_requests_are_flagged(tmp_path):
 
     with FakeServer(lambda body: ScriptedResponse(status=429, body=b'{"error": {"message": "queue full"}}')) as srv:
         run_cli(["single", "--url", srv.url, "-n", "3", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
-    _, rep = _report(tmp_path, "single")
+    _, rep = read_report(tmp_path, "single")
     assert rep["groups"][0]["n_ok"] == 0
     assert rep["flags"] == ["single: 3 of 3 requests failed (HTTP 429: {\"error\": {\"message\": \"queue full\"}})"]
 
@@ -241,10 +230,13 @@ def test_embedded_default_starts_waits_and_stops_a_server(tmp_path, monkeypatch)
         return procs[-1]
 
     monkeypatch.setattr(local_server.subprocess, "Popen", popen)
+    t0 = time.perf_counter()
     run_cli(["single", "-n", "2", "--warmup", "0", "--out", str(tmp_path), "--no-html"])
-    _, rep = _report(tmp_path, "single")
+    wall_s = time.perf_counter() - t0
+    _, rep = read_report(tmp_path, "single")
     assert rep["target"]["url"] == f"http://127.0.0.1:{started[0]}/v1"
-    assert rep["target"]["local_server"]["ready_after_s"] >= 0
+    # the wait for /health is a real span of the run: the process needs time to start answering
+    assert 0 < rep["target"]["local_server"]["ready_after_s"] < wall_s
     assert procs[0].poll() is not None  # stopped
 
 
@@ -269,7 +261,7 @@ def test_per_chunk_usage_probe_and_fallback(tmp_path):
 
     with FakeServer(strict) as srv:
         run_cli(["single", "--url", srv.url, "-n", "3", "--warmup", "0", "--out", str(tmp_path / "a"), "--no-html"])
-    _, rep = _report(tmp_path / "a", "single")
+    _, rep = read_report(tmp_path / "a", "single")
     assert any("rejected stream_options.continuous_usage_stats" in n for n in rep["notes"])
     measured = [r for r in rep["records"] if not r["warmup"]]
     assert all("continuous_usage_stats" not in srv.requests[i + 1]["stream_options"] for i in range(3))
@@ -283,7 +275,7 @@ def test_per_chunk_usage_probe_and_fallback(tmp_path):
 
     with FakeServer(liar) as srv:
         run_cli(["single", "--url", srv.url, "-n", "2", "--warmup", "0", "--out", str(tmp_path / "b"), "--no-html"])
-    _, rep = _report(tmp_path / "b", "single")
+    _, rep = read_report(tmp_path / "b", "single")
     assert len(rep["flags"]) == 2 and "per-chunk counts sum to 2, usage says 9" in rep["flags"][0]
 
 
@@ -294,11 +286,11 @@ def test_recount_gap_is_a_note_when_the_server_counts_per_chunk(server, tmp_path
     monkeypatch.setattr(tokens, "load_token_counter", lambda model: (lambda text: max(1, len(text.split()) // 2),
                                                                       "recounted (test)"))
     run_cli(["single", "--url", server.url, "-n", "2", "--warmup", "0", "--out", str(tmp_path / "a"), "--no-html"])
-    _, rep = _report(tmp_path / "a", "single")
+    _, rep = read_report(tmp_path / "a", "single")
     assert rep["flags"] == [] and any("re-tokenizes differently" in n for n in rep["notes"])
     run_cli(["single", "--url", server.url, "-n", "2", "--warmup", "0", "--chunk-usage", "off",
              "--out", str(tmp_path / "b"), "--no-html"])
-    _, rep = _report(tmp_path / "b", "single")
+    _, rep = read_report(tmp_path / "b", "single")
     assert len(rep["flags"]) == 2 and "tokenizer counts" in rep["flags"][0]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from sudu.bench import compare
 from sudu.errors import SuduError
-from tests.test_bench_cli import run_cli
+from tests.helpers.bench_cli import run_cli
 
 
 def synthetic(ttft_values, cache_state="cold", **config):

@@ -4,33 +4,14 @@ turn, the per-turn summary reports the cached share the server gave, and a resta
 every session finished turn K."""
 import asyncio
 import json
-import os
 import re
 
 from sudu.bench.client import RequestRecord
 from sudu.bench.conversation import ConversationOptions, make_sessions, run_conversation, summarize
-from sudu.bench.fake_server import FakeServer, chat_script
+from sudu.bench.fake_server import FakeServer
 from sudu.bench.suites import Ctx, Run
-from tests.test_bench_cli import run_cli
-
-
-class PrefixCacheServer:
-    """An ideal prefix cache in front of a fake model: a prompt's tokens are its characters / 4, its cached
-    tokens the longest prefix shared with any earlier prompt."""
-
-    def __init__(self):
-        self.seen: list[str] = []
-        self.order: list[tuple[str, int]] = []  # (system prompt head, turn) in arrival order
-
-    def __call__(self, body):
-        text = "".join(m["role"] + m["content"] for m in body["messages"])
-        best = max((len(os.path.commonprefix([text, s])) for s in self.seen), default=0)
-        self.seen.append(text)
-        turns = sum(m["role"] == "assistant" for m in body["messages"]) + 1
-        self.order.append((body["messages"][0]["content"][:34], turns))
-        usage = {"prompt_tokens": len(text) // 4, "completion_tokens": 3, "total_tokens": len(text) // 4 + 3,
-                 "prompt_tokens_details": {"cached_tokens": best // 4}}
-        return chat_script([(0.001, "Reading "), (0.002, "the file. "), (0.003, '{"tool": "read_file"}')], usage=usage)
+from tests.helpers.bench_cli import run_cli
+from tests.helpers.prefix_caches import PrefixCacheServer
 
 
 def test_conversation_suite_end_to_end(tmp_path):
@@ -74,7 +55,7 @@ def test_restart_happens_once_after_every_session_finished_turn_k():
     done_at_restart = []
     counts = {}
 
-    async def send(ctx, group, state, messages, max_tokens):
+    async def send(ctx, group, state, messages, max_tokens, session=None):
         turn = sum(m["role"] == "assistant" for m in messages) + 1
         await asyncio.sleep(0.001 * (len(ctx.run.records) % 3))
         counts[turn] = counts.get(turn, 0) + 1

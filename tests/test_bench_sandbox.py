@@ -11,7 +11,7 @@ import pytest
 
 from sudu.bench.tasks import build_task
 from sudu.bench.tasks import sandbox
-from tests.test_bench_tasks import GOOD_PALINDROME, needs_sandbox
+from tests.helpers.code_answers import GOOD_PALINDROME, needs_sandbox
 
 GOOD_CODE = GOOD_PALINDROME.split("```python\n")[1].split("```")[0]
 
@@ -139,3 +139,21 @@ def test_failed_limit_refuses_the_run(monkeypatch, tmp_path):
     marker = tmp_path / "ran"
     res = check(with_prelude(f"open({str(marker)!r}, 'w').write('x')\n"))
     assert not res.passed and "refused" in res.detail and not marker.exists()
+
+
+def test_ci_fails_rather_than_skips_without_a_sandbox(monkeypatch):
+    """needs_sandbox where bubblewrap cannot run: a skip on a developer's machine, a failure under CI."""
+    from tests.helpers import code_answers
+
+    monkeypatch.setattr(code_answers, "sandbox_problem", lambda: "bubblewrap (bwrap) is not installed")
+    for name in ("CI", "SUDU_REQUIRE_NATIVE"):
+        monkeypatch.delenv(name, raising=False)
+    def runs_code():
+        pass
+
+    assert [m.name for m in code_answers.needs_sandbox(runs_code).pytestmark] == ["skip"]
+    for name, value in (("CI", "true"), ("SUDU_REQUIRE_NATIVE", "1")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(pytest.fail.Exception, match="CI requires it"):
+            code_answers.needs_sandbox(runs_code)()
+        monkeypatch.delenv(name)

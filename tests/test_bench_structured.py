@@ -10,7 +10,7 @@ import pytest
 from sudu.bench import structured
 from sudu.bench.fake_server import FakeServer, chat_script
 from sudu.errors import SuduError
-from tests.test_bench_cli import _report, run_cli
+from tests.helpers.bench_cli import read_report, run_cli
 
 VALID = {
     "person": {"name": "Ana", "age": 31, "languages": ["Python", "Go"], "remote": True},
@@ -64,7 +64,7 @@ def _run(tmp_path, script, *flags):
     with FakeServer(script) as srv:
         run_cli(["structured", "--url", srv.url, "--out", str(tmp_path), "--no-html", "--warmup", "1", *flags])
         requests = list(srv.requests)
-    return _report(tmp_path, "structured")[1], requests
+    return read_report(tmp_path, "structured")[1], requests
 
 
 def test_valid_answers_are_100_percent(tmp_path, capsys):

@@ -2,30 +2,9 @@
 import re
 import time
 
-import pytest
 
 from sudu.bench.tasks import build_task, extract_code, task_names
-from sudu.bench.tasks.sandbox import sandbox_problem
-
-# the code tasks run answers only inside bubblewrap; where it cannot run, they refuse, and so these skip
-needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None,
-                                   reason=f"no sandbox here: {sandbox_problem()} (.ci/run installs bubblewrap)")
-
-GOOD_PALINDROME = '''Here you go:
-
-```python
-def longest_palindrome(s: str) -> str:
-    best = ""
-    for c in range(2 * len(s) - 1):
-        lo, hi = c // 2, c // 2 + c % 2
-        while lo >= 0 and hi < len(s) and s[lo] == s[hi]:
-            lo -= 1
-            hi += 1
-        if hi - lo - 1 > len(best):
-            best = s[lo + 1:hi]
-    return best
-```
-'''
+from tests.helpers.code_answers import GOOD_ASYNC, GOOD_PALINDROME, GOOD_SQL, GOOD_SVG, needs_sandbox
 
 WRONG_PALINDROMES = [
     "I cannot do that.",
@@ -36,15 +15,6 @@ WRONG_PALINDROMES = [
     "```python\ndef longest_palindrome(s)\n    return s\n```",  # syntax error
     "```python\ndef longest_palindrome(s):\n    while True:\n        pass\n```",  # infinite loop
 ]
-
-GOOD_SQL = """```sql
-SELECT c.country, SUM(o.amount) AS total
-FROM orders o JOIN customers c ON c.id = o.customer_id
-WHERE strftime('%Y', o.created_at) = '2024'
-GROUP BY c.country
-HAVING total > 100
-ORDER BY total DESC;
-```"""
 
 WRONG_SQL = [
     "```sql\nSELECT c.country, SUM(o.amount) AS total FROM orders o JOIN customers c ON c.id = o.customer_id "
@@ -58,14 +28,6 @@ WRONG_SQL = [
     "```sql\nWITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r\n```",
 ]
 
-GOOD_SVG = """```svg
-<svg xmlns="http://www.w3.org/2000/svg" width="200" height="200">
-  <rect x="10" y="10" width="40" height="30" fill="blue"/>
-  <circle cx="100" cy="100" r="50" style="fill: red"/>
-  <text x="80" y="190">sudu</text>
-</svg>
-```"""
-
 WRONG_SVG = [
     GOOD_SVG.replace("</svg>", ""),  # not well-formed
     GOOD_SVG.replace('r="50"', 'r="40"'),
@@ -75,23 +37,6 @@ WRONG_SVG = [
     GOOD_SVG.replace('width="200" height="200"', 'width="100" height="100"'),
     "Sorry, I can only describe it: a red circle.",
 ]
-
-GOOD_ASYNC = """```python
-import asyncio
-
-
-async def fetch(i):
-    await asyncio.sleep(0.2)
-    return i * i
-
-
-async def main():
-    return list(await asyncio.gather(*(fetch(i) for i in range(10))))
-
-
-if __name__ == "__main__":
-    print(asyncio.run(main()))
-```"""
 
 WRONG_ASYNC = [
     # sequential awaits: right answer, too slow

@@ -10,7 +10,7 @@ import pytest
 
 from sudu.bench.fake_server import FakeServer, chat_script, tool_call_deltas
 from sudu.bench.tasks import tool_loop
-from tests.test_bench_cli import _report, run_cli
+from tests.helpers.bench_cli import read_report, run_cli
 
 ORDER = "get_order"
 
@@ -67,7 +67,7 @@ def _run(tmp_path, mode, *flags):
         run_cli(["tasks", "--url", srv.url, "--tasks", "tool_loop", "--out", str(tmp_path), "--no-html",
                  "--warmup", "0", "--chunk-usage", "off", *flags])
         requests = list(srv.requests)
-    _, rep = _report(tmp_path, "tasks")
+    _, rep = read_report(tmp_path, "tasks")
     return rep, requests
 
 

@@ -12,11 +12,12 @@ from sudu.engine.llm import LLM
 from sudu.layers import bounded_head as B
 from sudu.layers import gguf_native
 from sudu.layers import linear as L
+from sudu.quant.formats import TILE_ROWS
 from sudu.sampling import SamplingParams
-from tests.test_gguf_native import isas, random_tensor
+from tests.helpers.native_blocks import isas, random_tensor
 
 ext = kernels.load()
-pytestmark = pytest.mark.skipif(ext is None, reason="native kernels unavailable")
+pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 V, K = 2048, 256
 
@@ -67,7 +68,7 @@ def test_argmax_and_values_are_the_whole_heads(kind, isa):
         for rows in (1, 3):
             served += check_rows(bounded, h, hidden(rows, seed=1000 + seed))
     assert served >= 60  # the bound is tight enough here to serve most calls
-    tiles = -(-V // L.TILE_ROWS)
+    tiles = -(-V // TILE_ROWS)
     assert bounded.tiles_read / max(1, bounded.calls - bounded.whole_head) < tiles / 4
 
 
@@ -83,7 +84,7 @@ def test_qlinear_tiles_are_qlinears_columns(kind, isa):
         x = torch.randn(rows, K, generator=g)
         whole = ext.qlinear(x, h.qweight, None)
         for idx in picks:
-            cols = (idx[:, None] * L.TILE_ROWS + torch.arange(L.TILE_ROWS)).reshape(-1)
+            cols = (idx[:, None] * TILE_ROWS + torch.arange(TILE_ROWS)).reshape(-1)
             assert torch.equal(ext.qlinear_tiles(x, h.qweight, idx), whole[:, cols])
     for bad in (torch.tensor([5, 3]), torch.tensor([128]), torch.tensor([-1])):
         with pytest.raises(RuntimeError, match="ascend"):

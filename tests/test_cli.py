@@ -44,7 +44,7 @@ def test_bad_input_is_one_line_and_nonzero(tiny_model_dirs, tmp_path):
 
 
 def test_roofline_pairs_each_format_with_a_bandwidth_measurement(tiny_model_dirs):
-    from sudu.roofline import bytes_per_token
+    from sudu.commands.roofline import bytes_per_token
     from sudu.weights.loader import load_checkpoint
 
     model = str(tiny_model_dirs["llama"])

@@ -22,8 +22,8 @@ from sudu.cache import disk_store as DS
 from sudu.cache.block_hash import block_hash, make_namespace, prefix_hashes
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
-from tests.test_engine import GREEDY, prompts_of, reference_greedy
-from tests.tiny_models import build_hf_model
+from tests.helpers.greedy import GREEDY, prompts_of, reference_greedy
+from tests.helpers.tiny_models import build_hf_model
 
 PARAMS = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
 
@@ -71,7 +71,7 @@ def test_block_ids_are_the_same_in_separate_processes(tiny_model_dirs):
 
 
 def test_namespace_names_everything_that_changes_kv_bytes(tiny_model_dirs, tmp_path):
-    from tests.tiny_models import save_tiny_model
+    from tests.helpers.tiny_models import save_tiny_model
 
     def ns(model="qwen2", **cfg):
         path = tiny_model_dirs[model] if model in tiny_model_dirs else model
@@ -118,7 +118,7 @@ def test_disk_hit_computes_what_a_ram_hit_and_no_cache_compute(tiny_model_dirs, 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3moe"])
 def test_disk_hit_on_latent_and_expert_models(tmp_path, arch):
     """The disk tier carries any pool layout: DeepSeek's latent entries (V wider than K) and a MoE model."""
-    from tests.tiny_models import save_tiny_model
+    from tests.helpers.tiny_models import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / arch, arch)
     prompts = prompts_of([40, 70], seed=18)

@@ -135,7 +135,7 @@ def test_a_rows_result_does_not_depend_on_its_neighbours():
 def _greedy(tiny_model_dirs, arch, monkeypatch, cuda_path, **kw):
     from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
-    from tests.test_engine import prompts_of
+    from tests.helpers.greedy import prompts_of
 
     monkeypatch.setenv("SUDU_CUDA_PATH_ON_CPU", "1" if cuda_path else "0")
     llm = LLM(str(tiny_model_dirs[arch]), progress=False, device="cpu", dtype="float32", quantization="none",

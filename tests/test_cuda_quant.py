@@ -24,8 +24,10 @@ from sudu.cuda import interpreted  # noqa: E402
 from sudu.cuda import quant_linear as Q  # noqa: E402
 from sudu.engine.placement import check_supported  # noqa: E402
 from sudu.errors import SuduError  # noqa: E402
-from sudu.layers import linear as L  # noqa: E402
-from tests.tiny_models import build_hf_model  # noqa: E402
+from sudu.engine.network import quantize_model_cuda  # noqa: E402
+from sudu.layers import fuse  # noqa: E402
+from sudu.quant import formats as QF  # noqa: E402
+from tests.helpers.tiny_models import build_hf_model  # noqa: E402
 
 DEVICE = "cpu" if interpreted() else "cuda"
 ATOL = 1e-5
@@ -40,7 +42,7 @@ def make_layer(fmt, n, k, bias=True, seed=0):
 
 def reference(layer, x, dtype=torch.float32):
     """float32 product of x and the reference dequantization, both first rounded to dtype as the kernel does."""
-    w = L.dequantize_torch(layer.fmt, *layer.row_layout()).to(dtype).float()
+    w = QF.dequantize_torch(layer.fmt, *layer.row_layout()).to(dtype).float()
     y = x.to(dtype).float() @ w.T
     return y if layer.bias is None else y + layer.bias
 
@@ -112,11 +114,11 @@ def test_a_row_computes_the_same_at_any_batch_size(fmt, row_independent_dot):
 def test_fused_layers_compute_what_the_parts_do(fmt, row_independent_dot):
     """Parts ending mid-tile (24 + 16 + 37 columns), one without a bias: each column exactly as before."""
     parts = [make_layer(fmt, n, 96, bias=n != 16, seed=n) for n in (24, 16, 37)]
-    fused = L.fuse_linears(parts)
+    fused = fuse.fuse_linears(parts)
     assert isinstance(fused, Q.TritonQuantizedLinear) and fused.out_features == 77 and fused.in_features == 96
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
-    assert L.fuse_linears([parts[0], make_layer("int4" if fmt == "int8" else "int8", 16, 96)]) is None
+    assert fuse.fuse_linears([parts[0], make_layer("int4" if fmt == "int8" else "int8", 16, 96)]) is None
 
 
 @pytest.mark.parametrize("fmt,atol", [("int8", 1e-4), ("int4", 1e-4)])
@@ -126,13 +128,13 @@ def test_quantized_tiny_model_matches_its_dequantized_weights(fmt, atol):
     layers and the head compound it from ~1e-6 per product to well under 1e-4)."""
     quantized = build_hf_model("qwen2", seed=0)
     expected = build_hf_model("qwen2", seed=0)
-    Q.quantize_model_cuda(quantized, None, fmt)
+    quantize_model_cuda(quantized, None, fmt)
     assert not any(type(m) is torch.nn.Linear for m in quantized.modules())
     with torch.no_grad():
         for name, module in expected.named_modules():
             if isinstance(module, torch.nn.Linear):
                 layer = quantized.get_submodule(name)
-                module.weight = torch.nn.Parameter(L.dequantize_torch(fmt, *layer.row_layout()))
+                module.weight = torch.nn.Parameter(QF.dequantize_torch(fmt, *layer.row_layout()))
     ids = torch.randint(0, 380, (1, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         got = quantized.to(DEVICE)(ids.to(DEVICE)).logits.float().cpu()
@@ -143,26 +145,26 @@ def test_quantized_tiny_model_matches_its_dequantized_weights(fmt, atol):
 def test_q8_0_blocks_are_copied_not_requantized(tmp_path):
     """A GGUF checkpoint: Q8_0 tensors become int8 holding the file's values exactly; another type (Q4_0) is
     quantized from its loaded floats, as quantize_model does; int4 quantizes everything from floats."""
-    from sudu.engine.model_runner import load_network
+    from sudu.engine.network import load_network
     from sudu.weights.loader import load_checkpoint
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     values = write_tiny_gguf(path, "qwen2")
     ckpt = load_checkpoint(str(path), progress=False)
-    model = Q.quantize_model_cuda(load_network(ckpt.config, ckpt.tensors(torch.float32), torch.float32), ckpt, "int8")
+    model = quantize_model_cuda(load_network(ckpt.config, ckpt.tensors(torch.float32), torch.float32), ckpt, "int8")
     v = model.get_submodule("model.layers.0.self_attn.v_proj")
-    q, s = L.q8_0_blocks(ckpt.quantized("model.layers.0.self_attn.v_proj.weight"))
+    q, s = QF.q8_0_blocks(ckpt.quantized("model.layers.0.self_attn.v_proj.weight"))
     assert torch.equal(v.qweight, q) and torch.equal(v.scales, s)
-    assert torch.equal(L.dequantize_torch("int8", *v.row_layout()),
+    assert torch.equal(QF.dequantize_torch("int8", *v.row_layout()),
                        torch.from_numpy(values["model.layers.0.self_attn.v_proj.weight"]))
     assert torch.equal(v.bias, torch.from_numpy(values["model.layers.0.self_attn.v_proj.bias"]))
     o = model.get_submodule("model.layers.0.self_attn.o_proj")  # Q4_0 in the file
-    requantized = L.quantize_int8(torch.from_numpy(values["model.layers.0.self_attn.o_proj.weight"]))
+    requantized = QF.quantize_int8(torch.from_numpy(values["model.layers.0.self_attn.o_proj.weight"]))
     assert torch.equal(o.qweight, requantized[0]) and torch.equal(o.scales, requantized[1])
-    model4 = Q.quantize_model_cuda(load_network(ckpt.config, ckpt.tensors(torch.float32), torch.float32), ckpt, "int4")
+    model4 = quantize_model_cuda(load_network(ckpt.config, ckpt.tensors(torch.float32), torch.float32), ckpt, "int4")
     v4 = model4.get_submodule("model.layers.0.self_attn.v_proj")
-    assert v4.fmt == "int4" and torch.equal(v4.qweight, L.quantize_int4(torch.from_numpy(
+    assert v4.fmt == "int4" and torch.equal(v4.qweight, QF.quantize_int4(torch.from_numpy(
         values["model.layers.0.self_attn.v_proj.weight"]))[0])
 
 

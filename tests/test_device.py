@@ -16,8 +16,8 @@ from sudu.engine import placement
 from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
 from sudu.errors import SuduError
 from sudu.sampling import SamplingParams
-from tests.test_engine import prompts_of
-from tests.tiny_models import build_hf_model
+from tests.helpers.greedy import prompts_of
+from tests.helpers.tiny_models import build_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # the GPU tests' device; `SUDU_TEST_DEVICE=cpu` runs their bodies on the CPU's PyTorch path (a dry run of the

@@ -1,11 +1,11 @@
-"""The cost-aware draft length (engine/draft_cost.py): a free drafter's tokens are verified only where
+"""The cost-aware draft length (engine/spec/cost.py): a free drafter's tokens are verified only where
 they pay for their rows, from the measured row cost and each sequence's measured acceptance."""
 import pytest
 
-from sudu.engine import draft_cost
-from sudu.engine.draft_cost import Acceptance, StepCost, keep_lengths
+from sudu.engine.spec import cost as draft_cost
+from sudu.engine.spec.cost import Acceptance, StepCost, keep_lengths
 from sudu.sampling import SamplingParams
-from tests.test_speculative import GREEDY, engines, draft_dir, prompts  # noqa: F401 -- fixtures
+from tests.helpers.speculative import GREEDY, engines, draft_dir, prompts  # noqa: F401 -- fixtures
 
 
 def test_step_cost_fits_the_row_cost_and_refuses_alike_rows():

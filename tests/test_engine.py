@@ -9,30 +9,8 @@ import torch
 from sudu.engine.llm import LLM
 from sudu.errors import RequestTooLongError
 from sudu.sampling import SamplingParams
-from tests.tiny_models import build_hf_model
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def prompts_of(lengths, vocab=380, seed=0):
-    g = random.Random(seed)
-    return [[g.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def greedy_agreement(a, b, prompts, max_tokens: int) -> float:
-    """Fraction of greedy tokens two engines agree on, position by position."""
-    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
-    ta = [r.token_ids for r in a.generate(prompts, params)]
-    tb = [r.token_ids for r in b.generate(prompts, params)]
-    return sum(x == y for ra, rb in zip(ta, tb) for x, y in zip(ra, rb)) / sum(map(len, ta))
-
-
-def reference_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
+from tests.helpers.tiny_models import build_hf_model
+from tests.helpers.greedy import GREEDY, greedy_agreement, prompts_of, reference_greedy
 
 @pytest.fixture(scope="module")
 def llms(tiny_model_dirs):
@@ -189,16 +167,6 @@ def test_n_choices_share_the_prompt_blocks(llms):
     assert all(len(c.token_ids) == 8 for c in r.outputs)
     assert len({tuple(c.token_ids) for c in r.outputs}) > 1
     assert llm.engine.block_manager.stats.hits - hits_before == 2 * 48  # two siblings x 3 full blocks
-
-
-def test_penalties_change_greedy_choice(llms):
-    llm = llms()
-    prompt = prompts_of([6], seed=11)[0]
-    plain = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))[0].token_ids
-    penal = llm.generate([prompt], SamplingParams(max_tokens=20, repetition_penalty=1.5,
-                                                  frequency_penalty=1.0, **GREEDY))[0].token_ids
-    assert penal != plain
-    assert len(set(penal)) >= len(set(plain))
 
 
 def test_randomized_stress_returns_every_block(llms):

@@ -14,7 +14,7 @@ from sudu.config import EngineConfig
 from sudu.engine.llm_engine import LLMEngine
 from sudu.errors import EngineFailedError
 from sudu.sampling import SamplingParams
-from tests.test_engine import GREEDY, prompts_of
+from tests.helpers.greedy import GREEDY, prompts_of
 
 PROMPTS = prompts_of([5, 9, 14], seed=3)
 POISON = PROMPTS[1]
@@ -185,7 +185,7 @@ def test_a_step_that_never_returns_fails_the_engine(tiny_model_dirs, monkeypatch
 def test_sudu_serve_exits_non_zero_when_the_engine_fails(tiny_model_dirs):
     from sudu.bench.local_server import free_port
 
-    from tests.test_server import start_patched_sudu_serve
+    from tests.helpers.live_server import start_patched_sudu_serve
 
     port = free_port()
     proc = start_patched_sudu_serve(tiny_model_dirs["qwen2"], port, (

@@ -7,12 +7,13 @@ import torch
 
 from sudu import kernels
 from sudu.layers import gguf_native
+from sudu.layers import fuse
 from sudu.layers import linear as L
 from sudu.layers.mlp import GatedMLP
-from tests.test_gguf_native import isas, random_tensor
+from tests.helpers.native_blocks import isas, random_tensor
 
 ext = kernels.load()
-pytestmark = pytest.mark.skipif(ext is None, reason="native kernels unavailable")
+pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 # decode, speculation, the 8-row kernel's edge, prompt chunks below and above the once-per-tile unpacking
 ROWS = (1, 3, 8, 9, 64, 70)
@@ -33,7 +34,7 @@ def gate_up(kind: str, inter: int, k: int, bias: bool):
         parts = [L.QuantizedLinear.from_float(kind, torch.randn(inter, k, generator=g) * 0.05, b[i]) for i in range(2)]
     else:
         parts = [gguf_native.native_layer(random_tensor(t, inter, k, seed=i), b[i]) for i, t in enumerate(kind.split("/"))]
-    fused = L.fuse_linears(parts)
+    fused = fuse.fuse_linears(parts)
     assert fused is not None and fused.out_features == 2 * inter
     return fused
 
@@ -60,7 +61,7 @@ def test_the_switch_gives_the_same_values_and_odd_tile_counts_are_refused():
     assert ext.set_fused_silu(False) is True
     assert torch.equal(ext.qlinear_silu(x, fused.qweight, None), on)
     ext.set_fused_silu(True)
-    odd = L.fuse_linears([gguf_native.native_layer(random_tensor("Q5_0", 16, 256, seed=s), None) for s in range(3)])
+    odd = fuse.fuse_linears([gguf_native.native_layer(random_tensor("Q5_0", 16, 256, seed=s), None) for s in range(3)])
     with pytest.raises(RuntimeError, match="even number of tiles"):
         ext.qlinear_silu(x, odd.qweight, None)
 

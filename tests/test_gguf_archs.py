@@ -4,7 +4,6 @@ permuted, DeepSeek's kv_b_proj split into k_b / v_b, the metadata keys it sets),
 weights and config of the same model read from its Hugging Face directory."""
 from __future__ import annotations
 
-import re
 
 import gguf
 import numpy as np
@@ -12,123 +11,10 @@ import pytest
 import torch
 
 from sudu.errors import SuduError
-from sudu.tokenizer import byte_to_unicode
 from sudu.weights import gguf as G
 from sudu.weights.loader import load_checkpoint
-from tests.tiny_models import VOCAB_SIZE, save_tiny_model
-
-GGUF_ARCH = {"qwen3": gguf.MODEL_ARCH.QWEN3, "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
-             "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA,
-             "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2}
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$")
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp's converter on llama-arch q/k rows: each head's halves interleaved
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf_like_llama_cpp(hf_dir, path, arch: str, split_kv_b: bool = True, mtp_layers: int = 0) -> None:
-    """mtp_layers: the checkpoint holds that many multi-token-prediction layers after the decoder's, which
-    llama.cpp counts in block_count and names in nextn_predict_layers."""
-    from safetensors import safe_open
-
-    hf = __import__("json").loads((hf_dir / "config.json").read_text())
-    with safe_open(str(hf_dir / "model.safetensors"), framework="np") as f:
-        tensors = {k: f.get_tensor(k).astype(np.float32) for k in f.keys()}
-    a = GGUF_ARCH[arch]
-    blocks = hf["num_hidden_layers"] + mtp_layers
-    name_map = gguf.get_tensor_name_map(a, blocks)
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[a])
-    w.add_block_count(blocks)
-    if mtp_layers:
-        w.add_nextn_predict_layers(mtp_layers)
-    w.add_context_length(hf["max_position_embeddings"])
-    w.add_embedding_length(hf["hidden_size"])
-    w.add_feed_forward_length(hf["intermediate_size"])
-    w.add_head_count(hf["num_attention_heads"])
-    w.add_head_count_kv(hf["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
-    if experts:
-        w.add_expert_count(experts)
-        w.add_expert_used_count(hf["num_experts_per_tok"])
-    if hf.get("moe_intermediate_size"):
-        w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
-    if arch in ("qwen3", "qwen3moe"):
-        w.add_key_length(hf["head_dim"])
-        w.add_value_length(hf["head_dim"])
-    if arch == "qwen2moe":
-        w.add_expert_shared_feed_forward_length(hf["shared_expert_intermediate_size"])
-    if arch.startswith("deepseek"):
-        w.add_leading_dense_block_count(hf["first_k_dense_replace"])
-        w.add_q_lora_rank(hf["q_lora_rank"])
-        w.add_kv_lora_rank(hf["kv_lora_rank"])
-        w.add_rope_dimension_count(hf["qk_rope_head_dim"])
-        qk_head = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
-        if split_kv_b:  # the MLA-aware converter's key widths
-            w.add_key_length(hf["kv_lora_rank"] + hf["qk_rope_head_dim"])
-            w.add_value_length(hf["kv_lora_rank"])
-            w.add_key_length_mla(qk_head)
-            w.add_value_length_mla(hf["v_head_dim"])
-        else:
-            w.add_key_length(qk_head)
-            w.add_value_length(hf["v_head_dim"])
-        w.add_expert_shared_count(hf["n_shared_experts"])
-        w.add_expert_weights_scale(hf["routed_scaling_factor"])
-        v3 = arch == "deepseek_v3"
-        w.add_expert_weights_norm(bool(hf.get("norm_topk_prob", False)))
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
-        w.add_expert_group_count(hf["n_group"])
-        w.add_expert_group_used_count(hf["topk_group"])
-        rope = hf["rope_parameters"]
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    tokens = [byte_to_unicode()[b] for b in range(256)] + [f"<|extra_{i}|>" for i in range(VOCAB_SIZE - 256)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3] * (VOCAB_SIZE - 256))
-    w.add_token_merges([])
-    w.add_eos_token_id(VOCAB_SIZE - 1)
-
-    stacked: dict[str, dict[int, np.ndarray]] = {}
-    for name, t in tensors.items():
-        m = _EXPERT.match(name)
-        if m:  # llama.cpp stacks each projection of all experts into one 3D tensor
-            stacked.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
-            continue
-        if name.endswith(("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.head.weight",
-                          "shared_head.norm.weight")):  # MTP-only parts: blk.N.nextn.{eh_proj, shared_head_head, ...}
-            part = "_".join(name.split(".")[3:-1])
-            w.add_tensor(f"blk.{name.split('.')[2]}.nextn.{part}.weight", t)
-            continue
-        if split_kv_b and name.endswith("kv_b_proj.weight"):
-            heads, nope, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
-            kv_b = t.reshape(heads, nope + v, t.shape[-1])
-            for part, value in (("k_b_proj", kv_b[:, :nope].transpose(0, 2, 1)), ("v_b_proj", kv_b[:, nope:])):
-                w.add_tensor(name_map.get_name(name.replace("kv_b_proj", part), try_suffixes=(".weight",)),
-                             np.ascontiguousarray(value))
-            continue
-        if arch == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            t = _permute(t, hf["num_attention_heads"] if "q_proj" in name else hf["num_key_value_heads"])
-        if name.endswith("e_score_correction_bias"):
-            gname = name_map.get_name(name.removesuffix("_bias"), try_suffixes=()) + ".bias"
-        else:
-            gname = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gname is not None, name
-        w.add_tensor(gname, t)
-    for base, parts in stacked.items():
-        w.add_tensor(name_map.get_name(base + ".weight", try_suffixes=(".weight",)),
-                     np.stack([parts[e] for e in sorted(parts)]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
+from tests.helpers.tiny_models import save_tiny_model
+from tests.helpers.gguf_files import write_gguf_like_llama_cpp
 
 ARCHS = ["qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v3", "deepseek_v2"]
 # llama.cpp's qwen2moe has no dense layers (no mlp_only_layers)
@@ -172,7 +58,7 @@ def test_deepseek_mtp_layers_are_left_out(tmp_path):
     block_count, named by nextn_predict_layers) is not part of the network and does not break loading."""
     from safetensors.torch import load_file, save_file
 
-    from sudu.engine.model_runner import load_network
+    from sudu.engine.network import load_network
 
     hf_dir = save_tiny_model(tmp_path / "hf", "deepseek_v3", seed=3)
     file = hf_dir / "model.safetensors"
@@ -191,7 +77,7 @@ def test_deepseek_mtp_layers_are_left_out(tmp_path):
 
 
 def test_unknown_architecture_and_missing_tensors_are_one_line(tmp_path):
-    from sudu.engine.model_runner import load_network
+    from sudu.engine.network import load_network
 
     hf_dir = save_tiny_model(tmp_path / "hf", "qwen3moe", seed=3)
     write_gguf_like_llama_cpp(hf_dir, tmp_path / "m.gguf", "qwen3moe")

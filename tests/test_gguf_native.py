@@ -8,29 +8,13 @@ import pytest
 import torch
 
 from sudu import kernels
-from sudu.layers import gguf_native, linear
+from sudu.engine import network
+from sudu.layers import fuse, gguf_native, linear
 from sudu.weights.gguf import QuantizedTensor
+from tests.helpers.native_blocks import BLOCKS, isas, random_tensor
 
 ext = kernels.load()
-pytestmark = pytest.mark.skipif(ext is None, reason="native kernels unavailable")
-
-# bytes per block and the offsets of its float16 fields (d, and dmin / m)
-BLOCKS = {"Q8_0": (32, 34, [0]), "Q4_0": (32, 18, [0]), "Q4_1": (32, 20, [0, 2]), "Q5_0": (32, 22, [0]),
-          "Q4_K": (256, 144, [0, 2]), "Q5_K": (256, 176, [0, 2]), "Q6_K": (256, 210, [208])}
-
-
-def random_tensor(ggml_type: str, n: int, k: int, seed: int = 0, permute: bool = False) -> QuantizedTensor:
-    """A GGUF tensor of random blocks: every bit pattern is a valid block once its float16 fields are finite."""
-    per, size, f16_at = BLOCKS[ggml_type]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
-    for at in f16_at:
-        scale = rng.uniform(0.2, 1.0, size=(n, k // per)) * (0.01 if ggml_type.endswith("_K") else 0.05)
-        sign = 1 if at == 0 or ggml_type != "Q4_1" else -1
-        blocks[:, :, at:at + 2] = (sign * scale).astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
-    perm = rng.permutation(n) if permute else None
-    return QuantizedTensor("w", "w", ggml_type, (n, k), blocks.reshape(n, -1), row_permutation=perm)
-
+pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 def reference_weight(qt: QuantizedTensor) -> torch.Tensor:
     """gguf-py's dequantization (independent of sudu's decoders), rows permuted as sudu's loader does."""
@@ -56,10 +40,6 @@ def rounded_activations(x: torch.Tensor, ggml_type: str = "Q8_0") -> torch.Tenso
         d = bmax / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(g * inv).clamp(-127, 127) * d).reshape(x.shape)
-
-
-def isas() -> list[str]:
-    return ["avx2", "native"] if ext.set_isa("native") == "avx512vnni" else ["avx2"]
 
 
 @pytest.fixture(autouse=True)
@@ -164,7 +144,7 @@ def test_fused_layers_of_mixed_formats_equal_their_parts():
     k = 512
     parts = [gguf_native.native_layer(random_tensor(t, n, k, seed=i), torch.randn(n) if i != 1 else None)
              for i, (t, n) in enumerate([("Q5_0", 64), ("Q4_K", 32), ("Q8_0", 32), ("Q6_K", 16)])]
-    fused = linear.fuse_linears(parts)
+    fused = fuse.fuse_linears(parts)
     assert fused is not None and fused.fmt == "native" and fused.out_features == 144
     assert [f for f, _ in gguf_native.segments(fused.qweight)] == [gguf_native.Q5_0, gguf_native.Q4_K,
                                                                     gguf_native.INT8, gguf_native.Q6_K]
@@ -172,7 +152,7 @@ def test_fused_layers_of_mixed_formats_equal_their_parts():
     for m in (1, 7):
         assert torch.equal(fused(x[:m]), torch.cat([p(x[:m]) for p in parts], dim=1))
     assert torch.equal(fused.dequantized_weight(), torch.cat([p.dequantized_weight() for p in parts]))
-    same = linear.fuse_linears([parts[0], gguf_native.native_layer(random_tensor("Q5_0", 48, k, seed=9), None)])
+    same = fuse.fuse_linears([parts[0], gguf_native.native_layer(random_tensor("Q5_0", 48, k, seed=9), None)])
     assert len(gguf_native.segments(same.qweight)) == 1  # one format: one segment
 
 
@@ -191,21 +171,21 @@ def test_bad_segmented_tensors_are_refused():
 def test_native_on_a_gguf_runs_the_files_blocks(tmp_path, caplog):
     """quantize_model(native) on a GGUF: each linear layer holds its tensor's own blocks (dequantized, the
     file's values exactly); float tensors become int8, and the log says so."""
-    from sudu.engine.model_runner import load_network
+    from sudu.engine.network import load_network
     from sudu.weights.gguf import dequantize
     from sudu.weights.loader import load_checkpoint
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "m.gguf", "qwen2")
     write_tiny_gguf(tmp_path / "tied.gguf", "qwen2", tied=True)
     tied = load_checkpoint(str(tmp_path / "tied.gguf"), progress=False)
-    tied_model = linear.quantize_model(load_network(tied.config, tied.tensors(torch.float32), torch.float32), tied, "native")
+    tied_model = network.quantize_model(load_network(tied.config, tied.tensors(torch.float32), torch.float32), tied, "native")
     # the file stores the tied table once (Q8_0): the head runs those blocks and the lookup shares its tiles
     assert tied_model.model.embed_tokens.qweight is tied_model.lm_head.qweight
     assert torch.equal(tied_model.lm_head.dequantized_weight()[:259], dequantize(tied.quantized("model.embed_tokens.weight")))
     ckpt = load_checkpoint(str(tmp_path / "m.gguf"), progress=False)
     model = load_network(ckpt.config, ckpt.tensors(torch.float32), torch.float32)
-    linear.quantize_model(model, ckpt, "native")
+    network.quantize_model(model, ckpt, "native")
     checked = 0
     for name, module in model.named_modules():
         if isinstance(module, linear.QuantizedLinear):
@@ -228,7 +208,7 @@ def test_auto_runs_a_quantized_gguf_natively_and_speculation_stays_lossless(tmp_
 
     from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")
@@ -265,7 +245,7 @@ def test_native_weights_are_not_dequantized_at_load_and_none_is_left_unwritten(t
     from sudu.engine.llm import LLM
     from sudu.errors import SuduError
     from sudu.weights import gguf as gguf_weights
-    from tests.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "qwen2")
@@ -276,6 +256,6 @@ def test_native_weights_are_not_dequantized_at_load_and_none_is_left_unwritten(t
     assert dequantized and not any(n.endswith(("v_proj.weight", "gate_proj.weight", "lm_head.weight",
                                                "embed_tokens.weight")) for n in dequantized)
     assert any(n.endswith("q_proj.weight") for n in dequantized)  # the file's float q: dequantized as before
-    monkeypatch.setattr(gguf_native, "quantize_native", lambda model, ckpt: model)
+    monkeypatch.setattr(network, "quantize_native", lambda model, ckpt: model)  # engine/network.py calls it
     with pytest.raises(SuduError, match="placeholder"):
         LLM(str(path), progress=False, kv_cache_memory=1 << 20)

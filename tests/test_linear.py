@@ -17,9 +17,11 @@ import torch.nn.functional as F
 
 from sudu import kernels
 from sudu.engine.llm import LLM
+from sudu.layers import fuse
 from sudu.layers import linear as L
+from sudu.quant import formats as QF
 from sudu.sampling import SamplingParams
-from tests.tiny_models import build_hf_model
+from tests.helpers.tiny_models import build_hf_model
 
 ATOL = 1e-4
 
@@ -42,7 +44,7 @@ def round_activations_q8(x):
 
 def dequantized(layer):
     """The layer's weights through the reference dequantization of its row layout."""
-    return L.dequantize_torch(layer.fmt, *layer.row_layout())
+    return QF.dequantize_torch(layer.fmt, *layer.row_layout())
 
 
 def reference(layer, x):
@@ -57,7 +59,7 @@ def reference(layer, x):
     return F.linear(x, w, layer.bias)
 
 
-@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.parametrize("fmt", QF.FORMATS)
 def test_quantization_error_is_bounded_by_the_grid(fmt):
     w, _, layer = make_layer(fmt)
     deq = dequantized(layer)
@@ -70,7 +72,7 @@ def test_quantization_error_is_bounded_by_the_grid(fmt):
     assert layer.weight_bytes() == pytest.approx(padded * (1.0625 * 6 / 5 if fmt == "int8" else 0.625))
 
 
-@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.parametrize("fmt", QF.FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 33, 100, 300])  # 300: the prefill GEMM path
 # 96, 160, 192, 352: 3, 5, 6, 11 blocks (int4: groups of 4, a last pair, a last odd block); 352: the scale loop's tail
 @pytest.mark.parametrize("k", [96, 160, 192, 352])
@@ -80,7 +82,7 @@ def test_output_matches_float_reference_of_dequantized_weights(fmt, rows, k):
     torch.testing.assert_close(layer(x), reference(layer, x), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.parametrize("fmt", QF.FORMATS)
 @pytest.mark.parametrize("group_size", [64, 128])
 @pytest.mark.parametrize("rows", [1, 2, 3, 9])
 def test_groups_wider_than_a_block_match_the_reference(fmt, group_size, rows):
@@ -92,8 +94,8 @@ def test_groups_wider_than_a_block_match_the_reference(fmt, group_size, rows):
     torch.testing.assert_close(layer(x), reference(layer, x), atol=ATOL, rtol=0)
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
-@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.skipif(kernels.load() is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
+@pytest.mark.parametrize("fmt", QF.FORMATS)
 @pytest.mark.parametrize("k", [96, 128, 160, 192, 352])  # 3-11 blocks: every tail path of the kernels
 def test_kernel_rows_do_not_depend_on_batch_size(fmt, k):
     """Every row goes through the same float operations whatever the row count, so a row's result is bit
@@ -125,23 +127,23 @@ def test_dequantized_slices_match_one_shot(monkeypatch):
     torch.testing.assert_close(layer(x), whole, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.parametrize("fmt", QF.FORMATS)
 @pytest.mark.parametrize("n,group_size,k", [(16, 32, 192), (37, 64, 192), (37, 32, 160)])  # 160: 5 blocks, int8 pairs one with a zero block
 def test_tiles_hold_the_row_layout_exactly(fmt, n, group_size, k):
     """pack (the kernel's 16-row tiles, per-32 scales) and unpack lose nothing; padding rows are zero."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
-    q, s, *m = (L.quantize_int4 if fmt == "int4" else L.quantize_int8)(w, group_size)
+    q, s, *m = (QF.quantize_int4 if fmt == "int4" else QF.quantize_int8)(w, group_size)
     m = m[0] if m else None
-    tiles = L.pack(fmt, q, s, m, group_size)
+    tiles = QF.pack(fmt, q, s, m, group_size)
     blocks = k // 32 if fmt == "int4" else -(-k // 64)  # int8: pairs of blocks
-    assert tiles.shape == (-(-n // 16), blocks, L.TILE_BLOCK_BYTES[fmt]) and tiles.dtype == torch.uint8
-    q2, s2, m2 = L.unpack(fmt, tiles, n, k)
-    assert torch.equal(L.dequantize_torch(fmt, q2, s2, m2, 32), L.dequantize_torch(fmt, q, s, m, group_size))
-    padding = L.unpack(fmt, tiles, tiles.shape[0] * 16, k)
+    assert tiles.shape == (-(-n // 16), blocks, QF.TILE_BLOCK_BYTES[fmt]) and tiles.dtype == torch.uint8
+    q2, s2, m2 = QF.unpack(fmt, tiles, n, k)
+    assert torch.equal(QF.dequantize_torch(fmt, q2, s2, m2, 32), QF.dequantize_torch(fmt, q, s, m, group_size))
+    padding = QF.unpack(fmt, tiles, tiles.shape[0] * 16, k)
     assert all(not t[n:].any() for t in padding if t is not None)
 
 
-@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.parametrize("fmt", QF.FORMATS)
 def test_fused_layers_compute_what_the_parts_do(fmt):
     """Whole tiles are concatenated as they are; a part ending mid-tile goes through the row layout."""
     gen = torch.Generator().manual_seed(3)
@@ -149,10 +151,10 @@ def test_fused_layers_compute_what_the_parts_do(fmt):
              for n in (32, 16, 37)]
     x = torch.randn(3, 96, generator=gen)
     for group in (parts[:2], parts):
-        fused = L.fuse_linears(group)
+        fused = fuse.fuse_linears(group)
         assert fused.out_features == sum(p.out_features for p in group)
         assert torch.equal(fused(x), torch.cat([p(x) for p in group], dim=1))
-    assert torch.equal(L.fuse_linears(parts[:2]).qweight, torch.cat([parts[0].qweight, parts[1].qweight]))
+    assert torch.equal(fuse.fuse_linears(parts[:2]).qweight, torch.cat([parts[0].qweight, parts[1].qweight]))
 
 
 def test_bfloat16_activations_come_back_in_bfloat16():
@@ -167,10 +169,10 @@ def test_fallback_without_extension_matches_the_float_reference():
     """SUDU_NO_EXT=1 in a fresh interpreter: no compile, the PyTorch path (float activations, no int8
     rounding), the float32 product with the same dequantized weights."""
     code = (
-        "import torch; from sudu import kernels; from sudu.layers import linear as L\n"
+        "import torch; from sudu import kernels; from sudu.layers import linear as L; from sudu.quant import formats as QF\n"
         "assert kernels.load() is None\n"
         "torch.manual_seed(0); w = torch.randn(40, 64) * 0.05; x = torch.randn(5, 64)\n"
-        "for fmt in L.FORMATS:\n"
+        "for fmt in QF.FORMATS:\n"
         "    layer = L.QuantizedLinear.from_float(fmt, w)\n"
         "    print(fmt, repr(layer(x).sum(dim=1).tolist()))\n"
     )
@@ -178,7 +180,7 @@ def test_fallback_without_extension_matches_the_float_reference():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     torch.manual_seed(0)
     w, x = torch.randn(40, 64) * 0.05, torch.randn(5, 64)
-    for line, fmt in zip(out.stdout.splitlines(), L.FORMATS):
+    for line, fmt in zip(out.stdout.splitlines(), QF.FORMATS):
         got = torch.tensor(eval(line.split(" ", 1)[1]))
         assert line.startswith(fmt)
         layer = L.QuantizedLinear.from_float(fmt, w)
@@ -227,7 +229,7 @@ def test_auto_format_quantizes_quantized_checkpoints_only(tiny_model_dirs):
     float for a float checkpoint (safetensors)."""
     from types import SimpleNamespace
 
-    from sudu.layers.linear import AUTO_FORMAT, resolve_format
+    from sudu.engine.network import AUTO_FORMAT, resolve_format
     from sudu.weights.loader import load_checkpoint
 
     float_ckpt = load_checkpoint(str(tiny_model_dirs["qwen2"]), progress=False)
@@ -242,7 +244,7 @@ def test_auto_format_quantizes_quantized_checkpoints_only(tiny_model_dirs):
     assert resolve_format("auto", gguf) == "none"
 
 
-@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.parametrize("fmt", QF.FORMATS)
 def test_bfloat16_dequantization_rounds_like_pytorch(fmt):
     """The prefill path dequantizes straight to bfloat16 (kernel) or through float32 (fallback): the same
     round-to-nearest-even values either way."""
@@ -250,7 +252,7 @@ def test_bfloat16_dequantization_rounds_like_pytorch(fmt):
     assert torch.equal(layer.dequantized_weight(torch.bfloat16), layer.dequantized_weight().to(torch.bfloat16))
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+@pytest.mark.skipif(kernels.load() is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     """torch's build lock is a plain file; a process killed mid-build (e.g. `sudu serve` stopped while it
     compiles) leaves it behind, and torch then waits for it forever. A fresh interpreter must still load

@@ -2,7 +2,8 @@
 resident set) in its stats and on /metrics."""
 import torch
 
-from sudu.engine.memory import kv_pool_tensors, resident_bytes, rss_bytes
+from sudu.engine.memory import kv_pool_tensors
+from sudu.host.memory import resident_bytes, rss_bytes
 from sudu.layers.kv_cache import zeroed_pool
 
 

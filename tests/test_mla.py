@@ -7,8 +7,8 @@ import pytest
 
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
-from tests.test_engine import GREEDY, greedy_agreement, prompts_of
-from tests.tiny_models import save_tiny_model
+from tests.helpers.greedy import GREEDY, greedy_agreement, prompts_of
+from tests.helpers.tiny_models import save_tiny_model
 
 
 @pytest.fixture(scope="module")

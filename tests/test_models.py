@@ -9,9 +9,9 @@ import torch
 from sudu.layers.attention import build_metadata
 from sudu.layers.kv_cache import KVCache
 from sudu.models import build_model
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.weights import safetensors as st_weights
-from tests.tiny_models import build_hf_model
+from tests.helpers.tiny_models import build_hf_model
 
 ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v3", "deepseek_v2"]
 

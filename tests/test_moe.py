@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sudu.layers.linear import quantize_model
+from sudu.engine.network import quantize_model
 from sudu.layers.moe import Router, SparseMoE
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 
 
 def moe_config(**kw) -> ModelConfig:

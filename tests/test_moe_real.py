@@ -11,8 +11,8 @@ import torch
 
 from benchmarks.moe_synthetic import DENSE, NUM_EXPERTS, PROMPTS, moe_config, moe_tensors
 from sudu.engine.text_eval import text_logits
-from sudu.engine.model_runner import load_network
-from sudu.models.config import ModelConfig
+from sudu.engine.network import load_network
+from sudu.model_config import ModelConfig
 from sudu.weights.loader import load_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import torch
 from sudu.engine.llm import LLM
 from sudu.errors import SuduError
 from sudu.sampling import SamplingParams
-from tests.test_speculative import assert_second_token_keeps_the_target_distribution
-from tests.tiny_models import save_tiny_model
+from tests.helpers.speculative import assert_second_token_keeps_the_target_distribution
+from tests.helpers.tiny_models import save_tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -129,7 +129,7 @@ def test_greedy_identical_with_mtp(mtp_dir, batch):
 
 
 def test_greedy_identical_with_mtp_from_gguf(mtp_dir, tmp_path):
-    from tests.test_gguf_archs import write_gguf_like_llama_cpp
+    from tests.helpers.gguf_files import write_gguf_like_llama_cpp
 
     write_gguf_like_llama_cpp(mtp_dir, tmp_path / "m.gguf", "deepseek_v3", mtp_layers=1)
     gguf, hf = (LLM(str(p), progress=False, quantization="none", speculative="mtp") for p in (tmp_path / "m.gguf", mtp_dir))

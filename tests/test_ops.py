@@ -7,7 +7,7 @@ from sudu import kernels
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, apply_rotary, rotate_heads_
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 
 def g(seed):
@@ -97,7 +97,7 @@ def test_native_decode_stack_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp
     chunks) must keep taking the layers."""
     from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
-    from tests.tiny_models import save_tiny_model
+    from tests.helpers.tiny_models import save_tiny_model
 
     path = tiny_model_dirs.get(arch) or save_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch, seed=4)
     # no prefix cache: the second run must compute every prompt in the same steps as the first (cached KV

@@ -135,9 +135,10 @@ def test_int8_kv_cache_accuracy(reference, weights):
 
 
 def test_prefill_path_accuracy(reference, monkeypatch):
-    """The default weights through the prefill path (dequantize + GEMM in PREFILL_DTYPE: bfloat16 on CPUs
-    with native bf16) at every position: the same criterion as the decode kernel."""
+    """The default weights through --fast-math's prefill path (dequantize + GEMM in prefill_path's dtype:
+    bfloat16 on CPUs with AMX) at every position: the same criterion as the decode kernel."""
     monkeypatch.setattr(sys.modules[__name__], "PREFILL_MIN_ROWS", 1)
+    monkeypatch.setattr(linear, "PREFILL_DTYPE", linear.prefill_path()[0])
     sequences, text_ids, ref_ppl, _ = reference
     llm = make_llm("auto")
     agree = agreement(llm, sequences)

@@ -15,7 +15,8 @@ import pytest
 
 from sudu.config import EngineConfig
 from sudu.server.app import build_app
-from tests.test_server_fake_engine import LiveServer, assert_openai_error
+from tests.helpers.live_server import LiveServer, assert_openai_error
+from tests.helpers.live_server import collect_stream
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {
@@ -50,25 +51,6 @@ def client(live):
 
 def ask(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
-
-
-def collect_stream(stream) -> tuple[str, list[dict], str]:
-    """content, tool calls (assembled from their deltas) and finish_reason of a one-choice stream."""
-    content, calls, finish = "", {}, None
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        delta = choice.delta
-        content += delta.content or ""
-        for tc in delta.tool_calls or []:
-            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-            if tc.id:
-                assert call["id"] is None  # the id and the name come once, first
-                call["id"], call["name"] = tc.id, tc.function.name
-            call["arguments"] += tc.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return content, [calls[i] for i in sorted(calls)], finish
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

@@ -1,7 +1,8 @@
 """A bounded schema-driven fuzz run: schemathesis reads the live server's /openapi.json and sends
 generated bodies to every route, valid ones (positive) and invalid ones (the negative-data phase), and
 then chains calls through the schema's OpenAPI links (the stateful phase: the served model's id into
-a completion, an answer into the next turn). None may get a 5xx, and the server keeps serving. The
+a completion, an answer into the next turn, a response id into a continued Responses conversation).
+The agent APIs (/v1/messages, /v1/responses) are fuzzed like the chat routes. None may get a 5xx, and the server keeps serving. The
 engine is real (the tiny model with a 64-token context keeps each generation short), because a 5xx
 would most likely come from a sampling corner reached through odd but valid parameters."""
 from __future__ import annotations
@@ -15,10 +16,10 @@ from schemathesis.generation.stateful import run_state_machine_as_test
 
 from sudu.config import EngineConfig
 from sudu.server.app import build_app
-from tests.test_server_fake_engine import LiveServer
+from tests.helpers.live_server import LiveServer
 
 MAX_EXAMPLES = 50  # per route and generation mode
-COMPLETION_ROUTES = {"POST /v1/chat/completions", "POST /v1/completions"}
+COMPLETION_ROUTES = {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages", "POST /v1/responses"}
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 from benchmarks.overload import open_loop
 from sudu.config import EngineConfig
 from sudu.server.app import build_app
-from tests.test_server_fake_engine import LiveServer
+from tests.helpers.live_server import LiveServer
 
 
 def test_overload_is_answered_with_429_and_nothing_is_lost(tiny_model_dirs):

@@ -1,64 +1,21 @@
 """Speculative decoding is lossless: greedy output identical to plain decoding for both drafters at
 batch 1 and 8; sampled output keeps the target distribution (chi-square over >= 10,000 samples);
 rollback returns every block."""
-import math
 import random
 
 import pytest
 import torch
 
 from sudu.engine.llm import LLM
-from sudu.engine.speculative import Draft, NgramDrafter, verify_draft
+from sudu.engine.spec.ngram import NgramDrafter
+from sudu.engine.spec.verify import Draft, verify_draft
 from sudu.engine.sequence import Sequence
 from sudu.errors import SuduError
 from sudu.layers.sampler import SamplingRow
 from sudu.sampling import SamplingParams
-from tests.tiny_models import save_tiny_model
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def chi2_critical(df: int, z: float = 3.09) -> float:
-    """Upper quantile of chi-square (Wilson-Hilferty); z = 3.09 is the 0.999 quantile of N(0, 1)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    n = counts.sum()
-    expected = probs * n
-    keep = expected >= 5
-    stat = float((((counts - expected) ** 2) / expected)[keep].sum())
-    return stat, int(keep.sum()) - 1
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    """A second tiny qwen2 with the same tokenizer and different weights: a draft that is often wrong."""
-    return save_tiny_model(tmp_path_factory.mktemp("draft") / "qwen2-draft", "qwen2", seed=5)
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_model_dirs, draft_dir):
-    target = str(tiny_model_dirs["qwen2"])
-    cache = {}
-
-    def get(spec="none", **cfg):
-        key = (spec, tuple(sorted(cfg.items())))
-        if key not in cache:
-            spec_arg = {"none": "none", "ngram": "ngram", "draft": f"draft:{draft_dir}", "self": f"draft:{target}"}[spec]
-            cache[key] = LLM(target, progress=False, speculative=spec_arg, **cfg)
-        return cache[key]
-
-    return get
-
-
-def prompts(n, seed):
-    g = random.Random(seed)
-    out = []
-    for i in range(n):
-        base = [g.randrange(380) for _ in range(g.randrange(3, 12))]
-        out.append(base * g.randrange(1, 4))  # repetition gives the n-gram drafter something to find
-    return out
+from tests.helpers.greedy import GREEDY
+from tests.helpers.speculative import (  # noqa: F401 -- draft_dir and engines are fixtures
+    assert_second_token_keeps_the_target_distribution, chi2_critical, chi2_stat, draft_dir, engines, prompts)
 
 
 @pytest.mark.parametrize("spec,batch,draft_vocab", [
@@ -109,7 +66,7 @@ def test_acceptance_is_reported_per_request(engines):
 def test_draft_length_defaults_per_drafter():
     """num_speculative_tokens = 0 (the default) takes the drafter's measured default; a setting wins."""
     from sudu.config import EngineConfig
-    from sudu.engine.speculative import DEFAULT_DRAFT_LEN, draft_len
+    from sudu.engine.spec.controller import DEFAULT_DRAFT_LEN, draft_len
 
     assert draft_len(EngineConfig(speculative="ngram")) == DEFAULT_DRAFT_LEN["ngram"] == 7
     assert draft_len(EngineConfig(speculative="draft:qwen2.5-coder-0.5b-instruct")) == DEFAULT_DRAFT_LEN["draft"] == 4
@@ -128,7 +85,7 @@ def test_the_default_drafts_n_gram_for_greedy_requests_on_the_cpu_kernels(tiny_m
     decoding sequences, for greedy requests only (a seeded sampled request draws as it does without
     speculation); float weights and CUDA get none; explicit settings stand."""
     from sudu.config import EngineConfig
-    from sudu.engine.speculative import resolve
+    from sudu.engine.spec.controller import resolve_drafter as resolve
 
     auto, cpu = EngineConfig(), torch.device("cpu")
     assert auto.speculative == "auto"
@@ -175,28 +132,6 @@ def test_rejection_sampling_keeps_the_target_distribution():
         out = verify_draft(logits, Draft([3, 5]), row, g)
         counts[out[0]] += 1
     stat, df = chi2_stat(counts, p)
-    assert stat < chi2_critical(df), (stat, df)
-
-
-def assert_second_token_keeps_the_target_distribution(plain, spec, prompt, samples: int) -> None:
-    """The second generated token's distribution under `spec` (top_k=8, temperature 1) equals the exact
-    marginal computed from `plain`'s own logits: sum over token 1 of p(t1) p(t2 | t1) (chi-square at the
-    0.999 quantile)."""
-    first = plain.generate([prompt], SamplingParams(max_tokens=1, logprobs=8, **GREEDY))[0].outputs[0].logprobs[0]
-    marginal = torch.zeros(plain.engine.model_config.vocab_size)
-    top1 = torch.tensor([lp for _, _, lp in first.top]).softmax(-1)
-    for (t1, _, _), p1 in zip(first.top, top1):
-        nxt = plain.generate([prompt + [t1]], SamplingParams(max_tokens=1, logprobs=8, **GREEDY))[0]
-        lp2 = nxt.outputs[0].logprobs[0]
-        p2 = torch.tensor([lp for _, _, lp in lp2.top]).softmax(-1)
-        for (t2, _, _), pr in zip(lp2.top, p2):
-            marginal[t2] += float(p1 * pr)
-    results = spec.generate([prompt] * samples, SamplingParams(temperature=1.0, top_k=8, max_tokens=3, ignore_eos=True))
-    counts = torch.zeros_like(marginal)
-    for r in results:
-        counts[r.token_ids[1]] += 1
-    assert spec.engine.speculator.num_draft_tokens > 1000
-    stat, df = chi2_stat(counts, marginal)
     assert stat < chi2_critical(df), (stat, df)
 
 

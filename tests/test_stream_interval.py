@@ -11,7 +11,7 @@ from sudu.config import EngineConfig
 from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from sudu.engine.stream_interval import coalesced
 from sudu.sampling import SamplingParams
-from tests.test_engine import GREEDY, prompts_of
+from tests.helpers.greedy import GREEDY, prompts_of
 
 
 def out(tokens: list[int], finished: bool = False, index: int = 0, logprobs: bool = False) -> RequestOutput:

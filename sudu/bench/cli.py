@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from sudu.bench import cli_sessions
 from sudu.errors import SuduError
 
 DEFAULT_OUT = "bench-results"
@@ -37,6 +38,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "excluded probe request decides")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--no-html", action="store_true", help="skip the HTML report (plots take a few seconds)")
+    cli_sessions.add_shared_options(p)
 
 
 def register_cli(subparsers) -> None:
@@ -122,13 +124,19 @@ def register_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="compare even when the two runs measured different "
                    "work (the output then lists what differed)")
+    p.add_argument("--html", default=None, metavar="FILE", help="also write the A/B view: a self-contained page "
+                   "with every ratio's CI and verdict")
     p.set_defaults(func=cmd_compare)
+
+    cli_sessions.register(suites, _common)
+    for name in ("replay", "capacity"):
+        suites.choices[name].set_defaults(func=cmd_suite)
 
 
 def cmd_compare(args) -> int:
     from sudu.bench.compare import run_compare
 
-    return run_compare(args.a, args.b, args.seed, args.force)
+    return run_compare(args.a, args.b, args.seed, args.force, args.html)
 
 
 def _register_determinism(suites) -> None:
@@ -183,6 +191,7 @@ def validate(args) -> dict:
     from sudu.bench.tasks import task_names
     from sudu.bench.workloads import parse_list
 
+    cli_sessions.validate(args)
     if getattr(args, "num_requests", 1) < 1:
         raise SuduError("--num-requests must be >= 1")
     if args.warmup < 0:
@@ -227,7 +236,7 @@ def validate(args) -> dict:
                 raise SuduError("--restart-after-turn needs the local server (no --url): bench cannot restart yours")
             if not 1 <= k < args.turns:
                 raise SuduError(f"--restart-after-turn must be between 1 and {args.turns - 1} (--turns - 1)")
-    return parse_slo(getattr(args, "slo", None))
+    return {} if args.suite == "capacity" else parse_slo(getattr(args, "slo", None))
 
 
 def _loopback(url: str | None) -> bool:
@@ -279,7 +288,7 @@ def cmd_suite(args) -> int:
 def _config(args) -> dict:
     from sudu.bench.suites import SAMPLING
 
-    skip = {"func", "api_key"}
+    skip = {"func", "api_key", "trace_obj", "capacity_opts", "prices", "json_lines_write", "json_lines_close"}
     config = {k: v for k, v in vars(args).items()
               if k not in skip and isinstance(v, (str, int, float, bool, list, dict, type(None)))}
     sampling = {"temperature": args.temperature} if args.suite == "structured" else dict(SAMPLING)
@@ -292,7 +301,8 @@ def execute(args, slo: dict, overhead: dict | None = None) -> int:
 
     run = Run(suite=args.suite, target={"url": args.url, "model": args.model,
                                         "local_server": getattr(args, "local_server", None)},
-              config=_config(args), overhead=overhead)
+              config=_config(args), overhead=overhead, prices=getattr(args, "prices", None),
+              machine_per_hour=getattr(args, "machine_cost", None))
     interrupted = False
     try:
         asyncio.run(run_suite(args, run))
@@ -301,6 +311,7 @@ def execute(args, slo: dict, overhead: dict | None = None) -> int:
         run.partial = True
         run.notes.append("interrupted by the user (Ctrl-C): partial report")
     run.finished_at = time.time()
+    getattr(args, "json_lines_close", lambda: None)()  # set by cli_sessions.validate
     report = build_report(run, slo)
     paths = write_report(report, args.out, with_html=not args.no_html)
     print(markdown_summary(report))
@@ -311,13 +322,16 @@ def execute(args, slo: dict, overhead: dict | None = None) -> int:
 
 
 def _progress(disabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    disable=disabled, transient=False)
+                    TextColumn("ETA"), TimeRemainingColumn(), disable=disabled, transient=False)
 
 
-def planned_requests(args) -> int:
+def planned_requests(args) -> int | None:
+    if args.suite in ("replay", "capacity"):
+        return cli_sessions.planned(args)
     if args.suite == "single":
         return args.warmup + args.num_requests
     if args.suite == "throughput":
@@ -349,16 +363,27 @@ async def run_suite(args, run) -> None:
             raise SuduError(f"no --model given and GET {base}/models listed none ({run.server_info})")
         model = data[0].get("id")
     run.target.update(url=base, model=model)
-    count_tokens, run.token_recount = load_token_counter(model)
+    tokenizer_path = getattr(args, "tokenizer", None)  # replay's --tokenizer
+    count_tokens, run.token_recount = (load_token_counter(model, tokenizer_path) if tokenizer_path
+                                       else load_token_counter(model))
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     with _progress(args.no_progress or not sys.stderr.isatty()) as progress:
         bar = progress.add_task(f"{args.suite} @ {model}", total=planned_requests(args))
-        on_done = (lambda rec: progress.advance(bar)) if args.suite != "tasks" else None
+        write_line = getattr(args, "json_lines_write", None)
+
+        def on_done(rec, count=args.suite != "tasks"):
+            if count:
+                progress.advance(bar)
+            if write_line is not None:
+                write_line(rec)
+
         async with ClientPool(args.timeout) as pool:
             ctx = suites.Ctx(pool=pool, base=base, headers=headers, model=model, run=run,
-                             count_tokens=count_tokens, extra_body=extra, on_done=on_done)
+                             count_tokens=count_tokens, extra_body=extra, on_done=on_done, api=getattr(args, "api", "chat"))
             run.notes.append(await suites.probe_chunk_usage(ctx, args.chunk_usage))
-            if args.suite == "single":
+            if args.suite in ("replay", "capacity"):
+                await cli_sessions.run(args, ctx, run, suites)
+            elif args.suite == "single":
                 await suites.run_single(ctx, args.num_requests, args.warmup, args.max_tokens, args.prompt)
             elif args.suite == "throughput":
                 levels = suites.throughput_levels(args.concurrency_levels, args.rates, args.max_concurrency)
@@ -385,7 +410,8 @@ async def run_suite(args, run) -> None:
                     context_len = suites.DEFAULT_CONTEXT_LEN
                     run.notes.append(f"model context unknown: retrieval sized for {context_len} tokens (--context-len)")
                 run.config["context_len_used"] = context_len
-                ctx.on_done = lambda rec: progress.advance(bar) if rec.warmup else None
+                ctx.on_done = lambda rec: (progress.advance(bar) if rec.warmup else None,
+                                           write_line(rec) if write_line else None)
                 await suites.run_tasks(ctx, args.task_list, args.repeat, args.attempts, context_len,
                                        args.retrieval_fraction, args.warmup, args.seed,
                                        on_task_done=lambda res: progress.advance(bar), tool_choice=args.tool_choice)

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from sudu.bench.apis import ENDPOINTS, parse_event, tool_calls as api_tool_calls, translate
+
 TOKENS_ASSUMED_ONE = "assumed-1-per-chunk"
 
 
@@ -48,7 +50,12 @@ class RequestRecord:
     chunk_chars: list[int] = field(default_factory=list)
     finish_s: float | None = None  # the chunk carrying finish_reason
     done_s: float | None = None  # body fully read
-    text: str = ""
+    text: str = ""  # the answer (reasoning apart)
+    reasoning_text: str = ""  # reasoning_content deltas (chat), thinking blocks (messages), reasoning items (responses)
+    first_reasoning_s: float | None = None  # first chunk carrying reasoning
+    first_answer_s: float | None = None  # first chunk carrying answer text or a tool call
+    api: str = "chat"
+    session: str | None = None  # the unit costs are summed over: a replayed session, a conversation, a task run
     tool_calls: list[dict] | None = None  # [{"id", "type", "function": {"name", "arguments"}}] by index
     finish_reason: str | None = None
     usage: dict | None = None
@@ -87,14 +94,14 @@ def make_client(max_connections: int = 1, timeout_s: float = 600.0, verify=True)
 
 class ClientPool:
     """One single-connection httpx.AsyncClient per concurrently running request. httpcore's pool scans
-    every connection for every request it assigns (measured: 3/4 of the CPU at concurrency 64), so
+    every connection for every request it assigns (its cost: docs/bench.md), so
     many small pools keep the cost per request flat; keep-alive connections are still reused."""
 
     def __init__(self, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
         self._free: list[httpx.AsyncClient] = []
         self._all: list[httpx.AsyncClient] = []
-        self._ssl_context = None  # loading CA certificates costs ~30 ms: once per pool, not per client
+        self._ssl_context = None  # loading CA certificates is slow: once per pool, not per client
 
     @asynccontextmanager
     async def acquire(self):
@@ -248,14 +255,22 @@ async def stream_chat(
     headers: dict,
     record: RequestRecord,
     count_tokens: Callable[[str], int] | None = None,
+    api: str = "chat",
 ) -> RequestRecord:
-    """Send one streaming chat completion and fill `record`. Never raises for server or network errors:
-    they end up in `record.error` (a failed request is data, not a crash)."""
+    """Send one streaming request (a chat body, translated to `api`: chat, completions, messages or
+    responses) and fill `record`. Never raises for server or network errors: they end up in
+    `record.error` (a failed request is data, not a crash)."""
     perf = time.perf_counter
+    record.api = api
     record.max_tokens = body.get("max_tokens")
-    record.prompt_chars = sum(len(m.get("content") or "") for m in body.get("messages", []))
+    record.prompt_chars = (len(body["prompt"]) if isinstance(body.get("prompt"), str)
+                           else sum(len(m.get("content") or "") for m in body.get("messages", [])))
+    if api != "chat" or "prompt" in body:
+        body = translate(body, api)
     text_parts: list[str] = []
+    reasoning_parts: list[str] = []
     calls: dict[int, dict] = {}
+    state: dict = {}
     prev_completion_tokens = [0]
     kinds: set[str] = set()
     if count_tokens is not None:
@@ -265,7 +280,7 @@ async def stream_chat(
     t0 = perf()
     record.t_sent_s = t0
     try:
-        async with _open_stream(client, f"{base}/chat/completions", payload, headers, record) as resp:
+        async with _open_stream(client, f"{base}{ENDPOINTS[api]}", payload, headers, record) as resp:
             t0 = record.t_sent_s  # a resend restarts the clock
             record.status = resp.status_code
             record.server_timing = parse_server_timing(resp.headers.get("server-timing"))
@@ -276,6 +291,7 @@ async def stream_chat(
                 return record
             buf = b""
             data_lines: list[bytes] = []
+            event_name: str | None = None
             # aiter_raw skips httpx's (identity) decoder chain; a compressed stream goes through it
             encoded = resp.headers.get("content-encoding", "identity") != "identity"
             async for raw in (resp.aiter_bytes() if encoded else resp.aiter_raw()):
@@ -292,8 +308,11 @@ async def stream_chat(
                     if line.startswith(b"data:"):
                         data_lines.append(line[5:].lstrip(b" "))
                         continue
+                    if line.startswith(b"event:"):
+                        event_name = line[6:].strip().decode("utf-8", "replace")
+                        continue
                     if line or not data_lines:
-                        continue  # comments, event:/id:/retry: fields
+                        continue  # comments, id:/retry: fields
                     event_data = b"\n".join(data_lines)
                     data_lines = []
                     if event_data == b"[DONE]":
@@ -304,39 +323,59 @@ async def stream_chat(
                     except ValueError:
                         record.error = f"unparseable SSE data: {event_data[:120]!r}"
                         continue
-                    if "error" in chunk and not chunk.get("choices"):
-                        err = chunk["error"]
-                        record.error = "stream error: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                    if not isinstance(chunk, dict):
+                        record.error = f"unexpected SSE data: {event_data[:120]!r}"
                         continue
-                    if chunk.get("usage"):
-                        record.usage = chunk["usage"]
+                    parsed = parse_event(api, event_name, chunk, state)
+                    event_name = None
+                    if parsed.error:
+                        record.error = parsed.error
+                        continue
+                    if parsed.usage:
+                        record.usage = parsed.usage
                     if isinstance(chunk.get("sudu"), dict):
                         record.sudu = chunk["sudu"]
-                    for choice in chunk.get("choices") or ():
-                        delta = choice.get("delta") or {}
-                        text = delta.get("content") or delta.get("reasoning_content") or ""
-                        piece = text + (add_tool_call_deltas(calls, delta["tool_calls"]) if delta.get("tool_calls") else "")
-                        if piece:
-                            text_parts.append(text)
-                            k, kind = _server_token_count(chunk, choice, prev_completion_tokens)
-                            if kind:
-                                kinds.add(kind)
-                            record.chunk_times_s.append(t)
-                            record.chunk_tokens_server.append(k)
-                            record.chunk_chars.append(len(piece))
-                            if count_tokens is not None:
-                                record.chunk_tokens_text.append(max(1, count_tokens(piece)))
-                        if choice.get("finish_reason"):
-                            record.finish_reason = choice["finish_reason"]
-                            record.finish_s = t
+                    piece = "".join(text for _, text in parsed.pieces)
+                    if parsed.tool_deltas:
+                        piece += add_tool_call_deltas(calls, parsed.tool_deltas)
+                    if piece:
+                        for kind, text in parsed.pieces:
+                            if kind == "reasoning":
+                                reasoning_parts.append(text)
+                                if record.first_reasoning_s is None:
+                                    record.first_reasoning_s = t
+                            else:
+                                if kind == "answer":
+                                    text_parts.append(text)
+                                if record.first_answer_s is None:
+                                    record.first_answer_s = t
+                        if parsed.tool_deltas and record.first_answer_s is None:
+                            record.first_answer_s = t
+                        choices = chunk.get("choices") or [{}]
+                        k, kind = _server_token_count(chunk, choices[0], prev_completion_tokens)
+                        if kind:
+                            kinds.add(kind)
+                        record.chunk_times_s.append(t)
+                        record.chunk_tokens_server.append(k)
+                        record.chunk_chars.append(len(piece))
+                        if count_tokens is not None:
+                            record.chunk_tokens_text.append(max(1, count_tokens(piece)))
+                    if parsed.finish_reason:
+                        record.finish_reason = parsed.finish_reason
+                        record.finish_s = t
+                    if parsed.done:
+                        saw_done = True
             record.done_s = perf() - t0
     except httpx.HTTPError as exc:
         record.done_s = perf() - t0
         err = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         record.error = err if record.error is None else f"{record.error}; then {err}"
     record.text = "".join(text_parts)
+    record.reasoning_text = "".join(reasoning_parts)
     if calls:
         record.tool_calls = [calls[i] for i in sorted(calls)]
+    elif api in ("messages", "responses"):
+        record.tool_calls = api_tool_calls(state)
     record.chunk_server_kind = "+".join(sorted(kinds)) or None
     if record.error is None and not saw_done and record.finish_reason is None:
         record.error = "stream ended without finish_reason or [DONE]"

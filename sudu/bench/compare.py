@@ -13,6 +13,7 @@ import json
 
 import numpy as np
 
+from sudu.bench.html_page import compare_page
 from sudu.bench.metrics import SCHEMA
 from sudu.bench.stats import MIN_SAMPLES_FOR_CI, TOO_FEW, ratio_ci, resampled_means
 from sudu.errors import SuduError
@@ -179,7 +180,7 @@ def format_pass_rates(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_compare(path_a: str, path_b: str, seed: int = 0, force: bool = False) -> int:
+def run_compare(path_a: str, path_b: str, seed: int = 0, force: bool = False, html_path: str | None = None) -> int:
     a, b = load(path_a), load(path_b)
     rows, diffs = compare(a, b, seed, force)
     if diffs:
@@ -191,4 +192,11 @@ def run_compare(path_a: str, path_b: str, seed: int = 0, force: bool = False) ->
     rates = pass_rates(a, b, seed)
     if rates:
         print("\nTask pass rates\n" + format_pass_rates(rates))
+    if html_path:
+        try:
+            with open(html_path, "w", encoding="utf-8") as f:
+                f.write(compare_page(a, b, path_a, path_b, rows, rates, diffs))
+        except OSError as exc:
+            raise SuduError(f"cannot write {html_path}: {exc.strerror}") from None
+        print(f"A/B view: {html_path}")
     return 0

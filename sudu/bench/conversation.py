@@ -218,7 +218,8 @@ async def run_conversation(ctx, opts: ConversationOptions, send: Callable,
                     await team_ready[s.team].wait()
             else:
                 state = "warm"
-            rec = await send(ctx, group_for(turn, state), state, list(s.messages), opts.answer_tokens)
+            rec = await send(ctx, group_for(turn, state), state, list(s.messages), opts.answer_tokens,
+                             session=f"user{s.user}")
             usage = rec.usage or {}
             turns.append({"turn": turn, "ok": rec.ok, "ttft_s": rec.metrics.get("ttft_s"),
                           "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": rec.metrics.get("cached_tokens"),

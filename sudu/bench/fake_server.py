@@ -1,7 +1,12 @@
 """A scripted fake OpenAI chat server for testing sudu bench: a real HTTP/1.1 server on 127.0.0.1 (raw
 asyncio streams, chunked transfer encoding, keep-alive) that sends each SSE event at an exact offset
 from the moment the request was read. Used by the tests (in a thread) and by the client-overhead
-benchmark (`python -m sudu.bench.fake_server --port N`, in its own process, answering instantly)."""
+benchmark (`python -m sudu.bench.fake_server --port N`, in its own process, answering instantly).
+
+Scripts are written as chat-completions streams; a request to /v1/completions, /v1/messages or
+/v1/responses gets the same script in that API's stream format (fake_apis.py). `LoadLatency` is a script
+whose TTFT and ITL grow with the requests in flight past a knee (a known load -> latency curve), and
+`server.log` keeps, per request, its path, body and when it was read and answered."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +14,10 @@ import asyncio
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
+
+from sudu.bench.fake_apis import api_of, convert_events
 
 
 @dataclass
@@ -131,10 +138,17 @@ class FakeServer:
         self.requests: list[dict] = []  # every chat body received
         self.read_at: list[float] = []  # per request: perf_counter() when it had been read (the offsets' zero)
         self.sent_at_s: list[list[float]] = []  # per request: actual send offsets of each event
+        self.log: list[dict] = []  # per request: path, body, read_at and done_at (perf_counter())
+        self.current_path = "/v1/chat/completions"  # the path of the request whose script is being made
         self._active = 0  # streams being sent right now
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Streams being sent right now (the request whose script is being made not included)."""
+        return self._active
 
     @property
     def url(self) -> str:
@@ -166,13 +180,20 @@ class FakeServer:
                 body = json.loads(raw or b"{}")
                 self.requests.append(body)
                 self.read_at.append(t0)
+                entry = {"path": path, "body": body, "read_at": t0, "done_at": None}
+                self.log.append(entry)
+                self.current_path = path
                 script = self.script_fn(body)
+                converted = convert_events(script, api_of(path), body)
+                if converted is not None:
+                    script = replace(script, events=[Event(at, data) for at, data in converted])
                 self._active += 1
                 try:
                     if not await self._send_script(writer, script, t0):
                         return
                 finally:
                     self._active -= 1
+                    entry["done_at"] = time.perf_counter()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -276,6 +297,29 @@ class FakeServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class LoadLatency:
+    """A script with a known load -> latency curve: with `a` requests in flight (this one included),
+    TTFT = ttft_s + ttft_slope_s * max(0, a - knee) and each of `tokens` tokens follows after
+    itl_s + itl_slope_s * max(0, a - knee). Give it its server: `model.server = srv`."""
+
+    def __init__(self, ttft_s: float = 0.01, ttft_slope_s: float = 0.01, itl_s: float = 0.002,
+                 itl_slope_s: float = 0.0, knee: int = 4, tokens: int = 8):
+        self.ttft_s, self.ttft_slope_s, self.itl_s, self.itl_slope_s = ttft_s, ttft_slope_s, itl_s, itl_slope_s
+        self.knee, self.tokens = knee, tokens
+        self.server: FakeServer | None = None
+
+    def latency(self, load: int) -> tuple[float, float]:
+        over = max(0, load - self.knee)
+        return self.ttft_s + self.ttft_slope_s * over, self.itl_s + self.itl_slope_s * over
+
+    def __call__(self, body: dict) -> ScriptedResponse:
+        load = (self.server.in_flight if self.server else 0) + 1
+        ttft, itl = self.latency(load)
+        pieces = [(ttft + i * itl, f" w{i}") for i in range(self.tokens)]
+        usage = {"prompt_tokens": 10, "completion_tokens": self.tokens, "total_tokens": 10 + self.tokens}
+        return chat_script(pieces, usage=usage, model=body.get("model", "fake"))
 
 
 async def serve_forever(host: str, port: int, num_chunks: int) -> None:

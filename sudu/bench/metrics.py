@@ -18,6 +18,10 @@ DEFINITIONS = {
     "tokens contributes k gaps of gap/k. Tokens per chunk: the server's per-chunk counts (continuous usage "
     "stats, logprobs entries) when it sends them; else usage's total apportioned over the chunks by their "
     "texts' token counts (characters without a tokenizer), so the sum equals usage; each record says which.",
+    "reasoning": "Reasoning output is timed apart: time to first reasoning token = request sent -> first chunk "
+    "carrying reasoning (chat `reasoning_content` deltas, Messages `thinking` blocks, Responses reasoning items); "
+    "time to first answer token = request sent -> first chunk carrying answer text or a tool call. TTFT is the "
+    "earlier of the two: the first generated token of any kind.",
     "e2e_s": "End to end: request sent -> last content chunk.",
     "task_time_s": "Task time: task start -> the task's answer passes its checker, every call counted; "
     "a task that never passes has no time (a wrong answer is never a fast answer).",
@@ -153,6 +157,11 @@ def request_metrics(rec) -> dict:
         out, source = usage["completion_tokens"], "usage"
     else:
         out, source = chunk_sum, "chunks:" + rec.token_source
+    if rec.first_reasoning_s is not None:
+        m["ttft_reasoning_s"] = rec.first_reasoning_s
+        m["reasoning_chars"] = len(rec.reasoning_text)
+    if rec.first_answer_s is not None:
+        m["ttft_answer_s"] = rec.first_answer_s
     m.update(ttft_s=ttft, e2e_s=e2e, output_tokens=out, output_tokens_source=source, chunk_tokens=chunk_sum,
              chunk_token_source=rec.token_source)
     if mismatch:

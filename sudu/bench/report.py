@@ -1,12 +1,12 @@
 """Reports of sudu bench: the versioned JSON (schema sudu-bench/1: every per-request record, the
-environment, server info, definitions, per-group summaries), the Markdown summary printed at the end,
-and a self-contained HTML page with inline PNG plots (TTFT and ITL CDFs, throughput vs concurrency,
-cold vs warm TTFT, a request timeline)."""
+environment, server info, definitions, per-group summaries, cost, replay and capacity results), the
+Markdown summary printed at the end with matplotlib PNGs beside it (TTFT and ITL CDFs, throughput vs
+concurrency, cold vs warm TTFT, a request timeline), and the self-contained interactive HTML page
+(html_page.py)."""
 from __future__ import annotations
 
 import base64
 import datetime as dt
-import html
 import importlib.metadata
 import io
 import json
@@ -15,10 +15,14 @@ import platform
 import socket
 import sys
 
+from sudu.bench import capacity as capacity_mod
+from sudu.bench import cost as cost_mod
+from sudu.bench import html_page
 from sudu.bench import metrics as M
+from sudu.bench import replay as replay_mod
 from sudu.bench.stats import TOO_FEW, summarize
 
-PER_REQUEST = ("ttft_s", "tpot_s", "output_speed_tok_s", "e2e_s", "output_tokens", "cached_tokens",
+PER_REQUEST = ("ttft_s", "ttft_reasoning_s", "ttft_answer_s", "tpot_s", "output_speed_tok_s", "e2e_s", "output_tokens", "cached_tokens",
                "acceptance_rate", "mean_accepted_len")
 ATTRIBUTION = ("network_client_s", "queue_s", "prefill_s", "decode_s")
 MAX_TIMELINE_REQUESTS = 400
@@ -151,6 +155,8 @@ def build_report(run, slo: dict | None = None) -> dict:
                      f"under their schema (first: {structured['first_error']})")
     if run.overhead and not run.overhead.get("meets_targets"):
         flags.append("client self-test: the client missed its own targets (see client_overhead)")
+    if run.replay and run.replay["dependency_violations"]:
+        flags += [f"replay: {v}" for v in run.replay["dependency_violations"][:20]]
     return {
         "schema": M.SCHEMA,
         "suite": run.suite,
@@ -169,10 +175,21 @@ def build_report(run, slo: dict | None = None) -> dict:
         "task_runs": run.task_results,
         "conversation": conversation_summary(run),
         "structured": structured,
+        "replay": run.replay,
+        "capacity": run.capacity,
+        "cost": cost_mod.cost_summary(run.records, run.prices, run.machine_per_hour, _window(run.records)),
         "flags": flags,
         "notes": run.notes + [f"{g['name']}: {n}" for g in groups for n in g["notes"]],
         "records": [r.to_dict() for r in run.records],
     }
+
+
+def _window(records) -> float | None:
+    """First measured request sent -> last one done (seconds): the span a machine was busy for the run."""
+    recs = [r for r in M.measured(records) if r.done_s is not None]
+    if not recs:
+        return None
+    return max(r.t_sent_s + r.done_s for r in recs) - min(r.t_sent_s for r in recs)
 
 
 # ---------- text ----------
@@ -309,6 +326,12 @@ def markdown_summary(report: dict) -> str:
 
         parts += ["## Structured output: answers valid under their JSON schema (jsonschema)",
                   markdown(report["structured"])]
+    if report.get("replay"):
+        parts += ["## Replay", replay_mod.markdown(report["replay"])]
+    if report.get("capacity"):
+        parts += ["## Capacity (p99 targets, search with confirmation runs)", capacity_mod.markdown(report["capacity"])]
+    if report.get("cost"):
+        parts += ["## Cost (from the endpoint's usage fields)", cost_mod.markdown(report["cost"])]
     oh = report.get("client_overhead")
     if oh:
         parts += ["## Client self-test",
@@ -423,37 +446,22 @@ def plots(report: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _html_table(header: list[str], rows: list[list[str]]) -> str:
-    h = "".join(f"<th>{html.escape(c)}</th>" for c in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>"
-
-
 def html_report(report: dict) -> str:
-    t = report["target"]
-    title = f"sudu bench {report['suite']}" + (" (PARTIAL)" if report["partial"] else "")
-    parts = [f"<h1>{html.escape(title)}</h1>",
-             f"<p>target {html.escape(str(t.get('url')))}, model {html.escape(str(t.get('model')))}, "
-             f"started {report['started_at']}, schema {report['schema']}</p>"]
-    for heading, (header, rows) in (("Results", group_rows(report)), ("Cache effect", cache_rows(report)),
-                                    ("Where the time went", attribution_rows(report)), ("Tasks", task_rows(report))):
-        if rows:
-            parts += [f"<h2>{heading}</h2>", _html_table(header, rows)]
-    if report["flags"]:
-        parts += ["<h2>Flags</h2><ul>"] + [f"<li>{html.escape(f)}</li>" for f in report["flags"]] + ["</ul>"]
-    for name, png in plots(report):
-        parts.append(f"<h2>{html.escape(name)}</h2><img alt='{html.escape(name)}' src='data:image/png;base64,{png}'>")
-    parts += ["<h2>Definitions</h2><dl>"]
-    parts += [f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in report["definitions"].items()]
-    parts += ["</dl><h2>Environment and server</h2><pre>",
-              html.escape(json.dumps({"environment": report["environment"], "server_info": report["server_info"],
-                                      "client_overhead": report["client_overhead"], "config": report["config"]},
-                                     indent=2, default=str)), "</pre>"]
-    style = ("body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px}"
-             "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:first-child{text-align:left}"
-             "img{max-width:100%}pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:12px}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
+    """The interactive, self-contained page (html_page.py)."""
+    tables = [("Results", group_rows(report)), ("Cache effect", cache_rows(report)),
+              ("Where the time went", attribution_rows(report)), ("Tasks", task_rows(report))]
+    sections = []
+    if report.get("replay"):
+        sections.append(("Replay", replay_mod.markdown(report["replay"])))
+    if report.get("capacity"):
+        sections.append(("Capacity", capacity_mod.markdown(report["capacity"])))
+    if report.get("cost"):
+        sections.append(("Cost", cost_mod.markdown(report["cost"])))
+    if report.get("conversation"):
+        from sudu.bench.conversation import markdown
+
+        sections.append(("Conversation", markdown(report["conversation"])))
+    return html_page.report_page(report, tables, sections)
 
 
 def write_report(report: dict, out_dir: str, with_html: bool = True) -> dict:
@@ -464,8 +472,18 @@ def write_report(report: dict, out_dir: str, with_html: bool = True) -> dict:
     paths = {"json": base + ".json", "markdown": base + ".md"}
     with open(paths["json"], "w") as f:
         json.dump(report, f, indent=1, default=str)
+    text = markdown_summary(report)
+    if with_html:  # the Markdown report's plots: PNG files beside it (they take a few seconds, as the page does)
+        images = []
+        for i, (name, png) in enumerate(plots(report)):
+            path = f"{base}-plot{i + 1}.png"
+            with open(path, "wb") as f:
+                f.write(base64.b64decode(png))
+            images.append(f"![{name}]({os.path.basename(path)})")
+        if images:
+            text += "\n## Plots\n\n" + "\n\n".join(images) + "\n"
     with open(paths["markdown"], "w") as f:
-        f.write(markdown_summary(report))
+        f.write(text)
     if with_html:
         paths["html"] = base + ".html"
         with open(paths["html"], "w") as f:

@@ -58,6 +58,10 @@ class Run:
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     partial: bool = False
+    replay: dict | None = None  # sudu/bench/replay.py's summary
+    capacity: dict | None = None  # sudu/bench/capacity.py's search
+    prices: object = None  # cost.Prices, from --price
+    machine_per_hour: float | None = None
 
 
 @dataclass
@@ -73,20 +77,28 @@ class Ctx:
     extra_body: dict = field(default_factory=dict)
     on_done: Callable[[RequestRecord], None] | None = None
     ids: itertools.count = field(default_factory=itertools.count)
+    api: str = "chat"  # chat | completions | messages | responses (sudu/bench/apis.py)
 
 
 async def send(ctx: Ctx, group: str, cache_state: str, messages: list[dict], max_tokens: int,
-               warmup: bool = False, task: str | None = None, extra: dict | None = None) -> RequestRecord:
-    """One streamed request; `extra` adds (or overrides) body fields: `tools`, `response_format`, ..."""
-    rec = RequestRecord(request_id=next(ctx.ids), group=group, cache_state=cache_state, warmup=warmup, task=task)
+               warmup: bool = False, task: str | None = None, extra: dict | None = None,
+               session: str | None = None, prompt: str | None = None) -> RequestRecord:
+    """One streamed request; `extra` adds (or overrides) body fields: `tools`, `response_format`, ...;
+    `session`: the unit (conversation, task run, replayed session) its cost is summed into; `prompt`: raw
+    text instead of `messages` (sent as is to completions, as one user message to the other APIs)."""
+    rec = RequestRecord(request_id=next(ctx.ids), group=group, cache_state=cache_state, warmup=warmup, task=task,
+                        session=session)
     body = chat_body(ctx.model, messages, max_tokens, **SAMPLING, **ctx.extra_body)
     body.update(extra or {})
+    if prompt is not None:
+        body["prompt"] = prompt
+        body.pop("messages", None)
     async with ctx.pool.acquire() as client:
-        await stream_chat(client, ctx.base, body, ctx.headers, rec, ctx.count_tokens)
+        await stream_chat(client, ctx.base, body, ctx.headers, rec, ctx.count_tokens, api=ctx.api)
     rec.metrics = request_metrics(rec)
     # a tool call's tokens include the model's call syntax, which the text assembled here does not hold
     if ctx.count_tokens is not None and rec.ok and not rec.tool_calls:
-        rec.metrics["output_tokens_recounted"] = ctx.count_tokens(rec.text)
+        rec.metrics["output_tokens_recounted"] = ctx.count_tokens(rec.reasoning_text + rec.text)
     ctx.run.records.append(rec)
     if ctx.on_done is not None:
         ctx.on_done(rec)
@@ -283,7 +295,8 @@ async def run_tasks(ctx: Ctx, names: list[str], repeat: int, attempts: int, cont
                     if group in later and later[group] not in ctx.run.groups:
                         ctx.run.groups.append(later[group])
                     extra = inst.tool_fields(rounds) if inst.tool_fields else None
-                    rec = await send(ctx, group, state, messages, inst.max_tokens, task=name, extra=extra)
+                    rec = await send(ctx, group, state, messages, inst.max_tokens, task=name, extra=extra,
+                                     session=f"{name}#{r}")
                     result["calls"] += 1
                     result["model_time_s"] += rec.done_s or 0.0
                     result["output_tokens"] += rec.metrics.get("output_tokens") or 0

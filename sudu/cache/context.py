@@ -69,17 +69,3 @@ def open_disk_store(config, namespace: bytes, payload_nbytes: int, description: 
         return None
     log.info("disk KV cache: %s (namespace %s, up to %.1f GiB)", root, namespace.hex(), size / 2**30)
     return store
-
-
-def build_block_manager(config, ckpt, weight_format: str, runner):
-    """The engine's block manager with its context cache: ids rooted in this engine's namespace, and the
-    disk tier when config asks for one (and the directory can hold it)."""
-    from sudu.cache.block_io import KVBlockIO
-    from sudu.engine.block_manager import BlockManager
-
-    namespace, description = engine_namespace(config, ckpt.config, ckpt.path, weight_format, runner.kv_caches,
-                                              runner.dtype, runner.device)
-    block_io = KVBlockIO(runner.kv_caches, runner.ring_layers, config.block_size)
-    disk = open_disk_store(config, namespace, block_io.nbytes, description) if config.enable_prefix_caching else None
-    return BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                        sliding=runner.sliding_blocks, namespace=namespace, disk=disk, block_io=block_io)

@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from sudu.cluster.registry import router_for
+from sudu.cluster.registry import PREFILL_APP_NAME, router_for
 from sudu.engine.llm_engine import LLMEngine
 from sudu.structured.backend import GrammarBackend
 from sudu.engine.outputs import RequestOutput
@@ -81,7 +81,7 @@ class ClusterEngine:
         call's result as an object reference (Ray's object store carries the blocks), so both handles pass
         arguments by reference; otherwise calls go by value (gRPC where Serve's mode enables it), pickled
         with the standard library's pickle: sudu's requests and outputs are importable dataclasses, which
-        cloudpickle (Serve's default) pickles about three times slower."""
+        cloudpickle (Serve's default) pickles slower (docs/cluster.md)."""
         call_options = ({"_by_reference": True} if self.prefill_app else
                         {"request_serialization": "pickle", "response_serialization": "pickle"})
         self.handle = self._request_handle(self.app_name, stream=True, **call_options)
@@ -180,8 +180,6 @@ class ClusterEngine:
 
     def replicas(self) -> dict:
         """Running and target replicas of the deployment (Serve's controller view)."""
-        from sudu.cluster.serve import PREFILL_APP_NAME
-
         apps = serve.status().applications
         running = 0
         for name in (self.app_name, PREFILL_APP_NAME) if self.prefill is not None else (self.app_name,):

@@ -13,19 +13,18 @@ import os
 
 from fastapi import FastAPI
 
+from sudu.cluster.registry import PREFILL_APP_NAME
 from sudu.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "sudu"
-PREFILL_APP_NAME = "sudu-prefill"
 DEPLOYMENT_NAME = "engine"
 ROUTING_STATS_PERIOD_S = 1.0  # how often each replica reports its cache summary to the router
 HEALTH_TIMEOUT_S = 5.0
 # Ray Serve's documented high-throughput mode (Ray >= 2.55): handle -> replica calls over gRPC instead of
-# Ray actor tasks, replica methods and the handle's router on the main event loops. On a 2-core machine
-# it cuts a no-op streamed call from about 5 to under 3 ms and a streamed item from about 0.8 to 0.15 ms
-# (docs/cluster.md). Serve reads it when it is imported, so it is set before that; a value the user set
+# Ray actor tasks, replica methods and the handle's router on the main event loops: it cuts the hop's cost
+# per call and per streamed item (docs/cluster.md). Serve reads it when it is imported, so it is set before that; a value the user set
 # wins. A cluster joined with --ray-address gets it where its nodes were started (`ray start`).
 # gRPC messages (a request's arguments, a streamed output) may exceed gRPC's 4 MiB default (a long prompt's
 # logprobs): their limit is raised to 1 GiB. The mode's direct ingress (each ingress replica serving HTTP

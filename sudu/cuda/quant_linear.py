@@ -24,11 +24,16 @@ import logging
 import torch
 from torch import nn
 
-from sudu.layers.linear import GROUP_SIZE, q8_0_blocks, quantize_int4, quantize_int8, replace_linears
+from sudu.quant.formats import (
+    FORMATS,
+    GROUP_SIZE,
+    q8_0_blocks,
+    quantize_int4,
+    quantize_int8,
+)
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("int8", "int4")
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows per tile. Fixed (batch invariance): 16 is tl.dot's minimum; 32 amortises each weight tile's
 # dequantization over twice the prefill rows while a decode step's wasted tensor-core work stays well
@@ -183,22 +188,3 @@ class TritonQuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
-
-
-def quantize_model_cuda(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
-    """layers/linear.py quantize_model for the CUDA path: every nn.Linear whose input width is a multiple of
-    the group size becomes a TritonQuantizedLinear in `fmt`, in place (on the host; the caller moves the
-    network). Q8_0 tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is
-    quantized from the loaded float weights. Layers that do not fit the group size stay float."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quantization {fmt!r} on CUDA; expected none, {', '.join(FORMATS)}")
-    if group_size != GROUP_SIZE:
-        raise ValueError(f"the CUDA kernels take groups of {GROUP_SIZE}, not {group_size}")
-    def build(module: nn.Linear, qt) -> nn.Module:
-        if fmt == "int8" and qt is not None and qt.ggml_type == "Q8_0":
-            return TritonQuantizedLinear.from_q8_0(qt, module.bias)
-        return TritonQuantizedLinear.from_float(fmt, module.weight, module.bias)
-
-    replaced = replace_linears(model, ckpt, fmt, group_size, build)
-    log.info("quantization %s: %d linear layers, Triton kernels", fmt, replaced)
-    return model

@@ -26,11 +26,17 @@ from sudu.config import EngineConfig
 from sudu.engine.llm_engine import LLMEngine
 from sudu.engine.outputs import RequestOutput
 from sudu.engine.stream_interval import coalesced
+from sudu.engine.memory import kv_resident_bytes
 from sudu.engine.request import CheckedRequest
+from sudu.engine.schedule_policy import is_continuing
+from sudu.engine.wait_predictor import EngineLoad, SeqLoad, WaitPrediction, predict_wait, snapshot
 from sudu.errors import EngineFailedError
 from sudu.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+TRANSIT_EXPIRY_S = 30.0  # an admitted request whose generate never came stops counting after this
+PROMISE_GRACE_S = 5.0  # a refused request's place is kept this long after its Retry-After has passed
 
 
 @dataclass
@@ -57,6 +63,18 @@ class AsyncLLMEngine:
         self._stopping = False
         self._accepting = True
         self._stats = self.engine.stats()
+        # admission by predicted wait (wait_predictor.py): the queue as of the last step, and the requests
+        # admitted since, which that snapshot does not show yet
+        self._load = EngineLoad()
+        self._admission_lock = threading.Lock()
+        self._in_transit: dict[str, tuple[float, tuple[SeqLoad, ...]]] = {}  # id -> (admitted at, loads)
+        self._added_since_snapshot: list[str] = []
+        # refused requests' places: (the prompt, max_tokens, priority) -> (Retry-After due, first arrival,
+        # loads). One that comes back after its Retry-After is predicted and queued from its first arrival
+        # (its aging), ahead of those that came later. Their work does not count ahead of new arrivals:
+        # clients that never come back would otherwise hold the queue shut while the engine idles
+        self._promised: dict[int, tuple[float, float, tuple[SeqLoad, ...]]] = {}
+        self._arrival_of: dict[str, float] = {}  # admitted returning request -> its first arrival
         self.failure: str | None = None  # why the engine cannot continue, once it cannot
         self._failed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -115,6 +133,41 @@ class AsyncLLMEngine:
         is fixed at load, so any thread may call it."""
         return self.engine.check_request(prompt_token_ids, params)
 
+    def try_admit(self, request_id: str, request: CheckedRequest, priority: int = 0) -> WaitPrediction:
+        """Predict the request's wait (uncached prompt from the context cache's lookup, the queue ahead of
+        it, the measured speed) and admit it if that is within config.max_queue_wait; an admitted request
+        counts in the next predictions until the engine has it. The caller then calls generate (or drops
+        the request: its reservation expires). A refused one keeps its place: the same request (prompt,
+        max_tokens, priority) coming back after its Retry-After is predicted, and queued, from its first
+        arrival. Any thread; the prompt's lookup hashes it, so a worker's."""
+        ids = request.prompt_token_ids
+        cached = self.engine.block_manager.cached_prefix_tokens(ids)
+        key = hash((tuple(ids), request.max_tokens, priority))
+        now = time.perf_counter()
+        with self._admission_lock:
+            for rid, (at, _) in list(self._in_transit.items()):
+                if now - at > TRANSIT_EXPIRY_S:
+                    del self._in_transit[rid]
+            for k, (due, _, _) in list(self._promised.items()):
+                if now > due + PROMISE_GRACE_S:
+                    del self._promised[k]
+            promise = self._promised.pop(key, None)
+            arrival = promise[1] if promise is not None else now
+            new = SeqLoad(len(ids) - cached, request.max_tokens, 0, priority, is_continuing(cached, len(ids)), arrival)
+            transit = tuple(s for _, loads in self._in_transit.values() for s in loads)
+            base = self._load
+            load = EngineLoad(base.running, base.waiting + transit)
+            prediction, _ = predict_wait(load, new, self.config.max_num_seqs, self.engine.wait_model.rates,
+                                         self.config.max_queue_wait, now, self.config.priority_aging_s)
+            loads = (new,) * request.params.n
+            if prediction.admitted:
+                self._in_transit[request_id] = (now, loads)
+                if promise is not None:
+                    self._arrival_of[request_id] = arrival
+            elif prediction.wait_s is not None:
+                self._promised[key] = (now + prediction.retry_after_s, arrival, loads)
+        return prediction
+
     async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -126,7 +179,9 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, (request, priority, time.perf_counter())))
+        with self._admission_lock:
+            queued_since = self._arrival_of.pop(request_id, None)
+        self._commands.put(("add", request_id, (request, priority, time.perf_counter(), queued_since)))
         self._wake.set()
         finished = False
         try:
@@ -151,8 +206,21 @@ class AsyncLLMEngine:
         return await future
 
     def stats(self) -> dict:
-        """Engine counters as of the last step (read without stopping the engine thread)."""
-        return dict(self._stats)
+        """Engine counters as of the last step (read without stopping the engine thread), the admission's
+        measured speed, and the KV pools' resident bytes now (mincore: the pool commits pages as the
+        prefix cache spreads over it, up to --kv-cache-memory)."""
+        rates = self.engine.wait_model.rates
+        with self._admission_lock:
+            in_transit, promised = len(self._in_transit), len(self._promised)
+        return {
+            **self._stats,
+            "admission_in_transit": in_transit,
+            "admission_promised": promised,
+            "admission_prefill_s_per_token": rates.prefill_s_per_token or 0.0,
+            "admission_decode_step_s": rates.decode_step_s or 0.0,
+            "admission_calibration": rates.calibration,
+            "memory_kv_resident_bytes": kv_resident_bytes(self.engine),
+        }
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -182,9 +250,10 @@ class AsyncLLMEngine:
                 else:
                     loop.call_soon_threadsafe(lambda f=future, e=error: f.done() or f.set_exception(e))
             elif kind == "add":
-                request, priority, arrival = payload
+                self._added_since_snapshot.append(rid)
+                request, priority, arrival, queued_since = payload
                 try:
-                    eng.add_request(rid, request, priority=priority, arrival_time=arrival)
+                    eng.add_request(rid, request, priority=priority, arrival_time=arrival, queued_since=queued_since)
                 except Exception as exc:  # noqa: BLE001 -- this request's fault: fail it, keep the loop
                     self._deliver(rid, exc)
             elif rid in eng.requests:
@@ -196,12 +265,23 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 -- the engine cannot continue; say so, fail everyone
             self._fail(exc)
 
+    def _snapshot(self) -> None:
+        """Publish the engine's counters and queue; requests now in the queue leave the transit list."""
+        eng = self.engine
+        self._stats = eng.stats()
+        load = snapshot(eng.scheduler)
+        with self._admission_lock:
+            self._load = load
+            for rid in self._added_since_snapshot:
+                self._in_transit.pop(rid, None)
+        self._added_since_snapshot.clear()
+
     def _loop_steps(self) -> None:
         eng = self.engine
         while not self._stopping:
             self._drain_commands()
             if not eng.has_unfinished():
-                self._stats = eng.stats()
+                self._snapshot()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -212,7 +292,7 @@ class AsyncLLMEngine:
                 return
             for out in outputs:
                 self._deliver(out.request_id, out)
-            self._stats = eng.stats()
+            self._snapshot()
 
     def _watch_steps(self) -> None:
         while not self._stopping:

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from sudu.cache.block_hash import HASH_BYTES, block_hash
+from sudu.cache.block_io import KVBlockIO
+from sudu.cache.context import engine_namespace, open_disk_store
 from sudu.cache.disk_store import DiskStats
 from sudu.engine.sequence import Sequence
 
@@ -211,6 +213,22 @@ class BlockManager:
         return hashes[b - 1] if b else self.namespace
 
     # ---- prefix lookup -----------------------------------------------------------------------------
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Tokens of the leading full blocks of a prompt that a prefix lookup would find now, in RAM or in
+        the disk tier's index, without taking them: an estimate for scheduling and admission (an entry may
+        be evicted before the sequence runs). Reads only, so any thread may call it."""
+        if not self.enable_prefix_caching:
+            return 0
+        num_full = (len(token_ids) - 1) // self.block_size
+        parent, found = self.namespace, 0
+        for b in range(num_full):
+            ids = tuple(token_ids[b * self.block_size:(b + 1) * self.block_size])
+            parent = block_hash(parent, ids)
+            if self.pool.lookup(parent, ids) is None and not (self.disk is not None and self.disk.has(parent)):
+                break
+            found += 1
+        return found * self.block_size
+
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no blocks the longest cached run of its full blocks, from RAM, then disk.
         At least one token is always left to compute, since the model must produce logits for the last
@@ -418,3 +436,14 @@ class BlockManager:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
+
+def build_block_manager(config, ckpt, weight_format: str, runner):
+    """The engine's block manager with its context cache: ids rooted in this engine's namespace, and the
+    disk tier when config asks for one (and the directory can hold it)."""
+    namespace, description = engine_namespace(config, ckpt.config, ckpt.path, weight_format, runner.kv_caches,
+                                              runner.dtype, runner.device)
+    block_io = KVBlockIO(runner.kv_caches, runner.ring_layers, config.block_size)
+    disk = open_disk_store(config, namespace, block_io.nbytes, description) if config.enable_prefix_caching else None
+    return BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                        sliding=runner.sliding_blocks, namespace=namespace, disk=disk, block_io=block_io)

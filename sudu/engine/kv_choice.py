@@ -13,9 +13,9 @@ Elsewhere (CUDA, a 16-bit compute dtype) auto is the compute dtype. An explicit 
 as given.
 
 Why measure rather than fix one format: int8's per-channel scales hold on some models and not on others
-(the 0.5B's greedy agreement is about 97.5%: docs/cpu_speed.md), and float16's range is a property of the
-model's activations. The check costs three forward passes over a few hundred tokens at load (about 1.5 s
-on the 0.5B, 11 s on the 1.5B: docs/cpu_speed.md), once per weights: its result is kept in
+(docs/cpu_speed.md, "The KV pool's default format"), and float16's range is a property of the model's
+activations. The check costs three forward passes over a few hundred tokens at load (its time per model:
+the same section), once per weights: its result is kept in
 $SUDU_HOME/kv_choice.json, keyed by the weights' content, their format and the check's bars and texts.
 """
 from __future__ import annotations

@@ -15,18 +15,23 @@ from dataclasses import dataclass, field
 import torch
 
 from sudu.config import EngineConfig
-from sudu.cache.context import build_block_manager
 from sudu.cuda.invariance import check_speculation
-from sudu.engine import kv_choice, speculative
-from sudu.engine.model_runner import ModelRunner, prepare_network
+from sudu.engine import kv_choice
+from sudu.engine.model_runner import ModelRunner
+from sudu.engine.network import prepare_network
 from sudu.engine.placement import resolve_device, resolve_dtype
-from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from sudu.engine.output import check_end, check_stop, split_stop_text, token_logprob
+from sudu.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sudu.engine.request import CheckedRequest
 from sudu.engine.scheduler import ScheduledSeq, Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
-from sudu.engine.memory import memory_report, release_freed_memory, rss_bytes
-from sudu.engine.speculative import Draft, Speculator
+from sudu.engine.block_manager import build_block_manager
+from sudu.engine.memory import memory_report
+from sudu.host.memory import release_freed_memory, rss_bytes
+from sudu.engine.spec.controller import Speculator, resolve_drafter
+from sudu.engine.spec.verify import Draft
+from sudu.engine.wait_predictor import WaitModel
 from sudu.layers.device_sampler import DeviceSampler
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
@@ -86,7 +91,9 @@ class LLMEngine:
                                   self.kv_choice.ranges)
         self.block_manager = build_block_manager(config, ckpt, self.quantization, self.runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_when_decoding, config.max_itl_factor)
+                                   config.prefill_chunk_when_decoding, config.max_itl_factor,
+                                   config.priority_aging_s)
+        self.wait_model = WaitModel(config.max_num_seqs, config.priority_aging_s)
         # the CPU keeps its per-request torch generators; elsewhere the batch is sampled where its logits are
         self.sampler = Sampler(config.seed) if self.runner.device.type == "cpu" else DeviceSampler(config.seed)
         self.sequence_seeds = torch.Generator().manual_seed(config.seed)  # for sequences without params.seed
@@ -98,7 +105,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests (prefix-cache evidence)
         self._failed_this_step: list[str] = []
-        drafter = speculative.resolve(config, self.runner.device, self.quantization)
+        drafter = resolve_drafter(config, self.runner.device, self.quantization)
         on_device = self.runner.device.type != "cpu"
         if drafter != "none" and on_device:  # lossless there only where measured so (cuda/invariance.py)
             check_speculation(self.runner)
@@ -160,7 +167,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        queued_since: float | None = None,
     ) -> None:
+        """queued_since: where the scheduler's aging starts when it is not the arrival (a request refused
+        earlier and sent again after its Retry-After keeps its place: async_engine.try_admit)."""
         from sudu.tokenizer import IncrementalDetokenizer
 
         if request_id in self.requests:
@@ -170,12 +180,14 @@ class LLMEngine:
             prompt = self.check_request(prompt_ids, params or SamplingParams())
         prompt_ids, params, max_tokens = prompt.prompt_token_ids, prompt.params, prompt.max_tokens
         now = time.perf_counter() if arrival_time is None else arrival_time
+        num_cached = self.block_manager.cached_prefix_tokens(prompt_ids)
         seqs = []
         for index in range(params.n):
             seq = Sequence(
                 request_id=request_id, index=index, token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids), params=params, priority=priority,
-                arrival_time=now, max_total_tokens=len(prompt_ids) + max_tokens,
+                arrival_time=now if queued_since is None else queued_since,
+                max_total_tokens=len(prompt_ids) + max_tokens, num_cached_at_arrival=num_cached,
             )
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + index)
@@ -189,12 +201,14 @@ class LLMEngine:
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, RequestMetrics(now))
+        self.wait_model.on_add(request_id, self.scheduler, seqs[0])
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         state = self.requests.get(request_id)
         if state is None:
             return
         state.error = error
+        self.wait_model.on_finish(request_id, state.seqs[0], "abort")
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -306,6 +320,7 @@ class LLMEngine:
                     self._guarded(seq, touched, lambda seq=seq: self._append_forced(seq), now)
         elapsed = time.perf_counter() - batch.started_at
         self.scheduler.chunk_budget.observe(batch.num_decodes, batch.num_prefill_tokens, elapsed)
+        self.wait_model.rates.observe_step(batch.num_decodes, batch.num_prefill_tokens, elapsed)
         if self.speculator is not None and batch.num_decodes and not batch.num_prefill_tokens:
             self.speculator.step_done(sum(s.num_new_tokens for s in batch.scheduled), elapsed)
 
@@ -383,6 +398,7 @@ class LLMEngine:
         state = self.requests[seq.request_id]
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
+            self.wait_model.on_first_token(seq.request_id, now)
         if seq.index == 0 and seq.num_output_tokens == 0:
             for sibling in state.seqs[1:]:
                 sibling.held_back = False
@@ -404,36 +420,24 @@ class LLMEngine:
         self.block_manager.commit(seq)
 
     def _append_token(self, seq: Sequence, tok) -> None:
-        p = seq.params
         token = tok.token_id
         if seq.grammar is not None and token not in self.eos_token_ids and not seq.grammar.consume_token(token):
             raise RuntimeError(f"token {token} breaks the grammar: {seq.grammar.get_error()}")
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
-        if p.logprobs is not None:
-            decode = self.tokenizer.decode
-            seq.new_logprobs.append(TokenLogprob(
-                token, decode([token], skip_special_tokens=False), tok.logprob,
-                [(t, decode([t], skip_special_tokens=False), lp) for t, lp in (tok.top or [])],
-            ))
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return self._finish(seq, "stop", token)
-        text = seq.pending_text + seq.detokenizer.add([token])
-        seq.pending_text = ""
-        if p.stop:
-            hit = min(((text.find(s), s) for s in p.stop if s in text), default=None)
-            if hit is not None:
-                seq.new_text += text[: hit[0]]
-                return self._finish(seq, "stop", hit[1], flush=False)
-            hold = _stop_prefix_len(text, p.stop)
-            seq.new_text += text[: len(text) - hold]
-            seq.pending_text = text[len(text) - hold:]
-        else:
-            seq.new_text += text
-        if seq.num_tokens >= seq.max_total_tokens:
-            self._finish(seq, "length", None)
-        elif seq.grammar is not None and seq.grammar.is_stopped():  # complete: only end-of-sequence could follow
-            self._finish(seq, "stop", None)
+        if seq.params.logprobs is not None:
+            seq.new_logprobs.append(token_logprob(self.tokenizer.decode, token, tok.logprob, tok.top))
+        stop = check_stop(token, seq.params, self.eos_token_ids)
+        if stop is not None:
+            return self._finish(seq, *stop)
+        split = split_stop_text(seq.pending_text + seq.detokenizer.add([token]), seq.params.stop)
+        seq.new_text += split.emit
+        seq.pending_text = split.held
+        if split.hit is not None:
+            return self._finish(seq, "stop", split.hit, flush=False)
+        end = check_end(seq.num_tokens, seq.max_total_tokens, seq.grammar is not None and seq.grammar.is_stopped())
+        if end is not None:
+            self._finish(seq, *end)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, flush: bool = True) -> None:
         if flush:
@@ -441,6 +445,7 @@ class LLMEngine:
         seq.pending_text = ""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        self.wait_model.on_finish(seq.request_id, seq, reason)
         self._release_spec(seq)
 
     def _release_spec(self, seq: Sequence) -> None:
@@ -502,13 +507,3 @@ class LLMEngine:
             "memory_kv_pool_bytes": self.memory["memory_kv_pool_bytes"],
             "memory_rss_bytes": rss_bytes(),
         }
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of text that is the start of some stop string (held back)."""
-    longest = min(len(text), max(len(s) for s in stops) - 1)
-    for k in range(longest, 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return k
-    return 0

@@ -13,7 +13,7 @@ from sudu.config import EngineConfig, default_num_threads
 from sudu.cuda.step import CudaStep, uses_cuda_path
 from sudu.engine.text_eval import final_hidden, forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
-from sudu.engine.placement import check_supported, resolve_device, resolve_dtype
+from sudu.engine.placement import resolve_device, resolve_dtype
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
 from sudu.layers import bounded_head, linear
@@ -21,8 +21,7 @@ from sudu.layers.linear import prefill_attention_dtype
 from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder, calibration_ids
 from sudu.layers.kv_cache import layer_kv_bytes_per_token
 from sudu.layers.kv_cache import make_kv_cache
-from sudu.models import build_model
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,90 +44,6 @@ def kv_bytes_per_token(model_cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtyp
     c = model_cfg
     heads, k_dim, v_dim = c.kv_cache_shape()
     return c.num_hidden_layers * layer_kv_bytes_per_token(kv_cache_dtype, heads, k_dim, dtype, v_dim)
-
-
-def load_network(model_cfg: ModelConfig, tensors, dtype: torch.dtype) -> torch.nn.Module:
-    """Build the network without initialising its weights, then take the checkpoint's tensors."""
-    with torch.device("meta"):
-        model = build_model(model_cfg)
-    state = {name: t.to(dtype) for name, t in tensors}
-    if model_cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if model_cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        raise SuduError(
-            f"checkpoint does not match the {model_cfg.architecture} network: "
-            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
-        )
-    return model.eval()
-
-
-def move_network(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The network's parameters and its rotary tables (plain tensors, not buffers) on device."""
-    from sudu.layers.rotary import RotaryEmbedding
-
-    model.to(device)
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, RotaryEmbedding):
-                value.to(device)
-    return model
-
-
-def prepare_network(ckpt, config: EngineConfig) -> tuple[torch.nn.Module, str]:
-    """The checkpoint's network ready to run on config's device: loaded in its dtype, its linear layers
-    quantized to the resolved format (on CUDA int8 / int4 only, quantized on the host before the move),
-    projections that read the same input (q/k/v, gate/up) fused into one call each. Returns (network, weight
-    format)."""
-    from sudu.engine.huge_pages import move_to_huge_pages
-    from sudu.layers.linear import quantize_model, resolve_format
-
-    check_supported(config)
-    dtype = resolve_dtype(config)
-    device = resolve_device(config.device)
-
-    # off the CPU auto is "none", the weights in dtype, even for a quantized checkpoint (placement.py)
-    if device.type == "cpu":
-        fmt = resolve_format(config.quantization, ckpt)
-    else:
-        fmt = config.quantization if config.quantization in ("int8", "int4") else "none"
-    placeholders, unwritten = frozenset(), []
-    if fmt == "native":  # those weights come from the file's blocks, not floats
-        from sudu.layers.gguf_native import native_tensor_names
-
-        placeholders = native_tensor_names(ckpt, ckpt.config)
-
-    def tensors():
-        for name, t in ckpt.tensors(dtype, placeholders):
-            if name in placeholders:
-                unwritten.append(t)  # held until the check below, so no allocation can reuse its address
-            yield name, t
-
-    model = load_network(ckpt.config, tensors(), dtype)
-    if fmt != "none" and device.type == "cpu":
-        quantize_model(model, ckpt, fmt)
-    elif fmt != "none":
-        from sudu.cuda.quant_linear import quantize_model_cuda
-
-        quantize_model_cuda(model, ckpt, fmt)
-    if unwritten:  # every placeholder must have been replaced: its memory was never written
-        kept = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-        if kept & {t.data_ptr() for t in unwritten}:
-            raise SuduError("internal error: a weight loaded as a placeholder was not replaced by its native layer")
-        unwritten.clear()
-    for module in model.modules():
-        if hasattr(module, "fuse_projections"):
-            module.fuse_projections()
-    if device.type != "cpu":
-        return move_network(model, device), fmt
-    ckpt.release_pages()  # the repacked file's pages out of the resident set before the weights' copy
-    model.huge_page_weights = move_to_huge_pages(model)[1]  # before anything below takes the weights' pointers
-    if hasattr(model, "prepare_native_decode"):  # llama family: the one-call decode stack (kernels/decoder.cpp)
-        model.prepare_native_decode()
-    return model, fmt
 
 
 def range_recorders(model_cfg: ModelConfig, num_slots: int, device: torch.device | str = "cpu") -> list[KVRangeRecorder]:
@@ -211,8 +126,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config)
         self.device = resolve_device(config.device)
         self.block_size = config.block_size
-        # prompt chunks' attention in bfloat16 where their linears run as bfloat16 GEMMs (CPU only)
-        self.prefill_sdpa_dtype = prefill_attention_dtype(model) if self.device.type == "cpu" else None
+        # (PREFILL_DTYPE, PREFILL_MIN_ROWS) of every step: the integer kernel at every row count, or with
+        # --fast-math GEMMs for long prompt chunks (layers/linear.py fast_prefill)
+        self.prefill_path = linear.fast_prefill(config.fast_math and self.device.type == "cpu")
+        # with --fast-math, prompt chunks' attention in bfloat16 where their linears run as bfloat16 GEMMs
+        with linear.prefill_path_as(self.prefill_path[1], self.prefill_path[0]):
+            self.prefill_sdpa_dtype = prefill_attention_dtype(model) if self.device.type == "cpu" else None
         self.keep_hidden = False  # set by a drafter that reads the target's hidden states (MTP)
         self.last_hidden: torch.Tensor | None = None
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
@@ -296,7 +215,9 @@ class ModelRunner:
         if self.device.type != "cpu":  # one copy of the step's metadata
             meta = meta.to(self.device)
             ids_t, positions_t = ids_t.to(self.device), positions_t.to(self.device)
-        hidden = self.model(ids_t, positions_t, meta) if hidden_in is None else self.model(ids_t, positions_t, meta, hidden_in)
+        with linear.prefill_path_as(self.prefill_path[1], self.prefill_path[0]):
+            hidden = (self.model(ids_t, positions_t, meta) if hidden_in is None
+                      else self.model(ids_t, positions_t, meta, hidden_in))
         if self.keep_hidden:
             self.last_hidden = hidden
         if not sample_rows:
@@ -320,5 +241,5 @@ class ModelRunner:
                 first = max(0, start + 1 - window)  # the earliest key the first new token can see
                 sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
         ctx_slots = context_slots([s.seq.block_table for s in scheduled], ends, bs)
-        sdpa_dtype = self.prefill_sdpa_dtype if sum(q_lens) >= linear.PREFILL_MIN_ROWS else None
+        sdpa_dtype = self.prefill_sdpa_dtype if sum(q_lens) >= self.prefill_path[1] else None
         return build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys, sdpa_dtype)

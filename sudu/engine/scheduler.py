@@ -2,7 +2,8 @@
 
 Each step fills a token budget (max_num_batched_tokens): first the running sequences, oldest first
 (a decode costs one token, an unfinished prefill takes the next chunk that fits), then waiting
-sequences in priority order, each starting with whatever the prefix cache already holds. Prefill chunks
+sequences in priority order (engine/schedule_policy.py: explicit priority, continuing sessions before
+cold first turns, aging so none starves), each starting with whatever the prefix cache already holds. Prefill chunks
 and decodes go into one forward pass, so a long prompt advances a chunk at a time while the other
 streams keep decoding. When the pool runs out of blocks the least urgent running sequence (worst
 priority, newest) is preempted: its blocks are freed and it is recomputed later (its full blocks are
@@ -10,6 +11,7 @@ likely still in the prefix cache).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from sudu.engine.block_manager import BlockManager
@@ -102,8 +104,9 @@ class ChunkBudget:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_when_decoding: int = 0, itl_factor: float = 2.0):
+                 prefill_chunk_when_decoding: int = 0, itl_factor: float = 2.0, aging_s: float = 2.0):
         self.block_manager = block_manager
+        self.aging_s = aging_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_budget = ChunkBudget(prefill_chunk_when_decoding, max_num_batched_tokens, itl_factor)
@@ -135,7 +138,9 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         bm = self.block_manager
 
-        self.running.sort(key=Sequence.sort_key)
+        now = time.perf_counter()  # the clock of the sequences' arrival times
+        key = lambda s: s.order_key(now, self.aging_s)  # noqa: E731
+        self.running.sort(key=key)
         num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         num_prefilling = len(self.running) - num_decoding + sum(1 for s in self.waiting if not s.held_back)
         prefill_budget = self.chunk_budget.tokens(num_decoding, num_prefilling) if num_decoding else budget
@@ -161,7 +166,7 @@ class Scheduler:
             budget -= n
             i += 1
 
-        self.waiting.sort(key=Sequence.sort_key)
+        self.waiting.sort(key=key)
         admitted = []
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sudu.engine.outputs import TokenLogprob
+from sudu.engine.schedule_policy import is_continuing, order_key
 from sudu.sampling import SamplingParams
 
 _seq_counter = itertools.count()
@@ -53,6 +54,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     held_back: bool = False  # n > 1 siblings wait until the first choice's prompt is in the cache
+    num_cached_at_arrival: int = 0  # prompt tokens the context cache held when it arrived (an estimate)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +80,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def sort_key(self) -> tuple:
-        """Smaller goes first: priority (lower value = more urgent), then arrival."""
-        return (self.priority, self.arrival_time, self.seq_id)
+    @property
+    def continuing(self) -> bool:
+        """A continuing session's turn: most of its prompt was cached when it arrived."""
+        return is_continuing(self.num_cached_at_arrival, self.num_prompt_tokens)
+
+    def order_key(self, now: float, aging_s: float) -> tuple:
+        """Smaller goes first: priority (lower value = more urgent) with its class and aging
+        (engine/schedule_policy.py), then arrival."""
+        return order_key(self.priority, self.continuing, self.arrival_time, self.seq_id, now, aging_s)

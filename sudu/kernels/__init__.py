@@ -5,7 +5,8 @@ attention.cpp's attention over the paged KV pool, ops.cpp's elementwise decoder 
 decode-step stack), or None when it cannot
 be used: `SUDU_NO_EXT=1`, a CPU without AVX2/FMA, or a failed compile. Callers then take the PyTorch
 path; a failure is reported once as a one-line warning, never raised, because the extension is a speed
-lever, not a requirement. The build is cached under $SUDU_HOME/torch_extensions so only the first
+lever, not a requirement. With `SUDU_REQUIRE_NATIVE=1` (CI sets it: .ci/run) a failed compile raises
+instead, so a green run cannot hide a default CPU path that went untested. The build is cached under $SUDU_HOME/torch_extensions so only the first
 process pays the ~30-60 s compile.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sudu.paths import sudu_home
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "gguf_tiles.cpp", "attention.cpp", "prompt_attention.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "gguf_tiles.cpp", "attention.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -68,11 +69,18 @@ def disabled_reason() -> str | None:
     return None
 
 
+def native_required() -> bool:
+    """Whether a failed compile is an error (`SUDU_REQUIRE_NATIVE=1`) rather than a fallback."""
+    return os.environ.get("SUDU_REQUIRE_NATIVE", "") not in ("", "0")
+
+
 def load():
     """The compiled extension module, or None (see the module docstring). Decided once per process: the
     attention and rotary layers call this on every step."""
     if "module" in _state:
         return _state["module"]
+    if "error" in _state:
+        raise _state["error"]
     reason = disabled_reason()
     if reason is not None:
         return None
@@ -104,6 +112,10 @@ def _compile():
             )
     except Exception as exc:  # any compiler/linker failure: fall back, say so once
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if native_required():
+            _state["error"] = RuntimeError(f"sudu: the native kernels failed to compile and SUDU_REQUIRE_NATIVE "
+                                           f"is set ({first_line[:200]})")
+            raise _state["error"] from exc
         warnings.warn(f"sudu: native quantized kernels unavailable, using PyTorch kernels ({first_line[:200]})",
                       stacklevel=3)
         return None

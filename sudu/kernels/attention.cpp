@@ -1,39 +1,53 @@
-// Attention of a few new tokens per sequence over the paged KV pool (decodes, speculative verification,
-// short chunks): what layers/attention.py's padded path computes with index_select + SDPA, without
-// gathering K and V into padded copies first, and with each query row computed on its own.
+// Attention over the paged KV pool, in float32: decode_attention (few new tokens per sequence: decodes,
+// speculative verification, short chunks, many sequences per call) and prompt_attention (one prompt chunk's
+// many new tokens). Both compute every query row with one arithmetic, the row recipe below, so a row's
+// result depends only on its own query and the keys it sees: not on the other rows, sequences or heads of
+// the call, not on which of the two entry points takes it, not on how the prompt was chunked or which part
+// of it came from a cache (docs/exactness.md).
 //
-// Inputs (float32 unless noted):
-//   q      [T, H, D]  any row/head strides, unit stride within a head
-//   kc, vc [S, Hkv, D]  the layer's pool: float32, float16, bfloat16, or int8 with float32 per-channel
-//          scales ks, vs [Hkv, D] (value = int8 * scale; layers/kv_cache.py)
-//   rows   int64 [B, Q]  row of each sequence's i-th new token in q / out, -1 = padding
-//   slots  int64 [B, L]  slots of the keys each sequence may see, in position order
-//   mask   bool  [B, Q, L]  true = attend (causal, sliding window)
-// out [T, H, D] (contiguous) gets softmax(q k^T * scale) v for every valid row.
+// Pool (both): kc, vc [S, Hkv, D] float32, float16, bfloat16, or int8 with float32 per-channel scales ks, vs
+// [Hkv, D] (value = int8 * scale; layers/kv_cache.py). A sequence's keys are a list of slots in position
+// order; key index j of the list sits at absolute position base + j with base a multiple of KB
+// (layers/attention.py build_view pads a list whose first kept position is not), so the key blocks below
+// start at the same absolute positions whatever the list.
 //
-// Work is split by (sequence, kv head). Keys and values are gathered from the paged pool 64 at a time into a
-// float32 block that stays in L1 while every new token of the sequence and every query head sharing the kv
-// head (GQA) uses it. Scores go 8 keys per step: 8 dot products side by side, reduced together, rather than
-// one horizontal sum per key (which made decode at long contexts slow). An
-// int8 pool's K scales are folded into the query (q . (k * s) = (q * s) . k), its V scales into the output.
-// Per (query row, head): scores for the keys in its mask's span (masked ones inside it -inf), max, exp
-// (vectorized, ~1 ulp), sum, then the weighted values in key order, the accumulator in registers. A row's
-// result depends only on its own query and keys, never on the other rows or sequences in the call:
-// speculative verification of k tokens gives bit for bit what k plain decode steps give.
+// The row recipe, per (query row, head), over its span [lo, hi) of visible keys:
+//   qs = q * scale (int8 pool: * ks, the K scales folded into the query);
+//   key blocks of KB, at key indices that are multiples of KB, in increasing order, each block with a
+//   visible key: a key's score is one fused multiply-add chain over d = 0..D-1 (qs[d] * k[d]); invisible
+//   keys -inf; the block's max m_b; m' = max(m, m_b); corr = exp(m - m') (std::exp); the weights
+//   p = exp8(score - m') by 8-lane groups at key offsets 0, 8, ... of the block, summed lane-wise in group
+//   order then by hsum; l = l * corr + that sum; o = o * corr (where corr != 1); o += p_j * v_j in key order;
+//   out = o * (1 / l) (int8 pool: * vs).
+// A key that the row does not see has p = 0 exactly, and adding 0 (a sum) or 0 * v (an accumulator that is
+// never -0) changes nothing, so computing several rows together over the union of their spans gives each
+// row exactly its own recipe.
+//
+// Work: decode_attention splits by (sequence, kv head), prompt_attention by (kv head, block of BQ query
+// positions), the latest positions first from a shared counter (the causal triangle's uneven items even out
+// over the threads). Per item the G query heads of the kv head and its query positions are one block of
+// rows: each key block is gathered from the pool once, K transposed into an L1 buffer for register-blocked
+// scores (RS rows x 16 keys), V as rows for the weighted sums (RS rows x 16 columns).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "simd.h"
-#include <cmath>
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
+#include "simd.h"
+
 namespace {
 
+constexpr int64_t KB = 64;  // keys per block (layers/attention.py KEY_BLOCK)
+constexpr int64_t BQ = 16;  // query positions per prompt work item
+constexpr int RS = 6;       // query rows per register block (12 accumulators, 2 loads, 1 broadcast)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // 8 pool values (float32, float16, bfloat16 or int8) as float32: exact conversions
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -46,229 +60,324 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-constexpr int64_t KB = 64;  // keys per block: a block's K or V, as float32 [KB, D], stays in L1 for all query heads
+// r[0..8) transposed in place (8 x 8 floats).
+inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
 
-// Keys j0..j0+n-1 of a sequence (kv head g) from the pool into buf [KB, D] as float32, zero past n. The
-// next block's rows (keys j0 + KB .. j1 - 1) are requested meanwhile, so they arrive while this block is
-// computed on: without it the gathers wait on memory one block at a time (docs/cpu_speed.md).
+// One sequence's keys and values in the pool, for kv head g.
 template <typename KV>
-inline void gather_block(const KV* pool, const int64_t* seq_slots, int64_t j0, int64_t n, int64_t j1, int64_t Hkv,
-                         int64_t g, int64_t D, float* buf) {
-  const int64_t row_bytes = D * sizeof(KV);
-  for (int64_t t = 0; t < n; ++t) {
-    if (j0 + KB + t < j1) {
-      const char* next = reinterpret_cast<const char*>(pool + (seq_slots[j0 + KB + t] * Hkv + g) * D);
-      for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+struct SeqKV {
+  const KV *kc, *vc;
+  const int64_t* slots;  // key index -> slot
+  int64_t Hkv, D, g;
+  const KV* k(int64_t j) const { return kc + (slots[j] * Hkv + g) * D; }
+  const KV* v(int64_t j) const { return vc + (slots[j] * Hkv + g) * D; }
+};
+
+// s[r][c0 .. c0 + 16) = qs[r] . key c0 + j, for RB query rows (qs rows of D floats), the keys' block
+// transposed in kt [D][KB]: one fused multiply-add chain over d per score.
+template <int RB>
+inline void scores(const float* qs, int64_t D, const float* kt, int64_t c0, float* s) {
+  __m256 a[RB][2];
+  for (int r = 0; r < RB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * KB + c0), k1 = _mm256_loadu_ps(kt + d * KB + c0 + 8);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 qv = _mm256_set1_ps(qs[r * D + d]);
+      a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
     }
-    const KV* src = pool + (seq_slots[j0 + t] * Hkv + g) * D;
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(buf + t * D + d, load8(src + d));
   }
-  if (n < KB) std::fill(buf + n * D, buf + KB * D, 0.f);
+  for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(s + r * KB + c0, a[r][0]);
+    _mm256_storeu_ps(s + r * KB + c0 + 8, a[r][1]);
+  }
 }
 
-// Lane t = the sum of a[t]'s 8 lanes, by the same tree for every t.
-inline __m256 hsum8x8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+// o[r][c0 .. c0 + 8 NC) += sum over keys j in [j0, j1) of p[r][j] * v_j[c0 ..], in key order, for RB rows
+// (o rows of D floats, p rows of KB, v rows of D).
+template <int RB, int NC>
+inline void values(const float* p, int64_t j0, int64_t j1, const float* vb, float* o, int64_t D, int64_t c0) {
+  __m256 a[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm256_loadu_ps(o + r * D + c0 + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm256_loadu_ps(vb + j * D + c0 + 8 * c);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 pv = _mm256_set1_ps(p[r * KB + j]);
+      for (int c = 0; c < NC; ++c) a[r][c] = _mm256_fmadd_ps(pv, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + r * D + c0 + 8 * c, a[r][c]);
 }
 
-// acc[0 : 8 NC] += sum over keys j in [jb, je) of p[j] * v[j - j0] (v rows of D floats from column dc), in
-// key order, the accumulator in registers.
-template <int NC>
-inline void accumulate_values(float* acc, const float* p, const float* v, int64_t j0, int64_t jb, int64_t je,
-                              int64_t D) {
-  __m256 r[NC];
-  for (int c = 0; c < NC; ++c) r[c] = _mm256_loadu_ps(acc + 8 * c);
-  for (int64_t j = jb; j < je; ++j) {
-    if (p[j] == 0.f) continue;
-    const __m256 pv = _mm256_set1_ps(p[j]);
-    const float* vj = v + (j - j0) * D;
-    for (int c = 0; c < NC; ++c) r[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * c), r[c]);
+struct Scratch {
+  std::vector<float> qs, o, s, kt, vb, m, l;
+  std::vector<int64_t> lo, hi;
+  std::vector<const float*> q;
+  std::vector<float*> out;
+  void size(int64_t R, int64_t D) {
+    if (static_cast<int64_t>(m.size()) >= R && static_cast<int64_t>(kt.size()) == D * KB) return;
+    qs.resize(R * D);
+    o.resize(R * D);
+    s.resize(R * KB);
+    kt.resize(D * KB);
+    vb.resize(KB * D);
+    m.resize(R);
+    l.resize(R);
+    lo.resize(R);
+    hi.resize(R);
+    q.resize(R);
+    out.resize(R);
   }
-  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + 8 * c, r[c]);
+};
+
+// Rows w.q[r] (one query head each, D floats) over their spans [w.lo[r], w.hi[r]) of the sequence's keys, into
+// w.out[r]: the row recipe of the header. ks / vs: an int8 pool's scales for this kv head, else null.
+template <typename KV>
+void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, const float* vs, Scratch& w) {
+  const int64_t D = kv.D;
+  int64_t jlo = std::numeric_limits<int64_t>::max(), jhi = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* src = w.q[r];
+    for (int64_t d = 0; d < D; ++d) w.qs[r * D + d] = ks ? (src[d] * scale) * ks[d] : src[d] * scale;
+    if (w.lo[r] < w.hi[r]) {
+      jlo = std::min(jlo, w.lo[r]);
+      jhi = std::max(jhi, w.hi[r]);
+    }
+  }
+  std::fill_n(w.o.begin(), R * D, 0.f);
+  std::fill_n(w.m.begin(), R, NEG_INF);
+  std::fill_n(w.l.begin(), R, 0.f);
+  for (int64_t j0 = jhi > 0 ? jlo - jlo % KB : 0; j0 < jhi; j0 += KB) {
+    // the block's keys that some row sees, [a, b) as offsets in the block; scores for columns [c0, c1)
+    const int64_t a = std::max(jlo, j0) - j0, b = std::min(jhi, j0 + KB) - j0;
+    const int64_t c0 = a / 16 * 16, c1 = (b + 15) / 16 * 16;
+    float* kt = w.kt.data();
+    for (int64_t d = 0; d < D; ++d) {
+      std::fill(kt + d * KB + c0, kt + d * KB + a, 0.f);
+      std::fill(kt + d * KB + b, kt + d * KB + c1, 0.f);
+    }
+    int64_t j = a;
+    for (; j + 8 <= b; j += 8) {  // 8 keys x 8 channels at a time, transposed in registers
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 t[8];
+        for (int u = 0; u < 8; ++u) t[u] = load8(kv.k(j0 + j + u) + d);
+        transpose8(t);
+        for (int u = 0; u < 8; ++u) _mm256_storeu_ps(kt + (d + u) * KB + j, t[u]);
+      }
+    }
+    for (; j < b; ++j) {
+      alignas(32) float tmp[8];
+      for (int64_t d = 0; d < D; d += 8) {
+        _mm256_store_ps(tmp, load8(kv.k(j0 + j) + d));
+        for (int u = 0; u < 8; ++u) kt[(d + u) * KB + j] = tmp[u];
+      }
+    }
+    row_chunks<RS>(R, [&](auto rb, int64_t r0) {
+      constexpr int RB = decltype(rb)::value;
+      for (int64_t c = c0; c < c1; c += 16) scores<RB>(w.qs.data() + r0 * D, D, kt, c, w.s.data() + r0 * KB);
+    });
+    // per row: its span within the block, the running max and sum, the block's weights in place of its scores
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t jb = std::max(w.lo[r], j0) - j0, je = std::min(w.hi[r], j0 + KB) - j0;
+      float* s = w.s.data() + r * KB;
+      if (jb >= je) {  // no key of this block is visible to the row
+        std::fill(s + c0, s + c1, 0.f);
+        continue;
+      }
+      std::fill(s + c0, s + jb, NEG_INF);
+      std::fill(s + je, s + c1, NEG_INF);
+      const float mx = max_of(s + jb, je - jb);
+      const float m_new = std::max(w.m[r], mx);
+      const float corr = std::exp(w.m[r] - m_new);  // 0 on the row's first block (m = -inf)
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t c = c0; c < c1; c += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), mv));
+        _mm256_storeu_ps(s + c, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      w.l[r] = w.l[r] * corr + hsum(sum);
+      w.m[r] = m_new;
+      if (corr != 1.f) {
+        const __m256 cv = _mm256_set1_ps(corr);
+        float* o = w.o.data() + r * D;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), cv));
+      }
+    }
+    float* vb = w.vb.data();
+    for (int64_t jj = a; jj < b; ++jj) {
+      const KV* src = kv.v(j0 + jj);
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vb + jj * D + d, load8(src + d));
+    }
+    row_chunks<RS>(R, [&](auto rb, int64_t r0) {
+      constexpr int RB = decltype(rb)::value;
+      const float* p = w.s.data() + r0 * KB;
+      float* o = w.o.data() + r0 * D;
+      int64_t c = 0;
+      for (; c + 16 <= D; c += 16) values<RB, 2>(p, a, b, vb, o, D, c);
+      if (c < D) values<RB, 1>(p, a, b, vb, o, D, c);
+    });
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;  // a row that sees no key: zeros
+    const __m256 iv = _mm256_set1_ps(inv);
+    const float* o = w.o.data() + r * D;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(o + d), iv);
+      _mm256_storeu_ps(w.out[r] + d, vs ? _mm256_mul_ps(x, _mm256_loadu_ps(vs + d)) : x);
+    }
+  }
 }
 
 template <typename KV>
-void decode_attention_impl(const float* q, int64_t q_row_stride, int64_t q_head_stride, const KV* kc, const KV* vc,
-                           const float* ks, const float* vs, int64_t Hkv, int64_t D, const int64_t* rows,
-                           int64_t B, int64_t Q, const int64_t* slots, int64_t L, const bool* mask, int64_t H,
-                           float scale, float* out) {
-  const int64_t G = H / Hkv;  // query heads per kv head
-  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, const KV* vc, const float* ks,
+                 const float* vs, int64_t Hkv, int64_t D, const int64_t* rows, int64_t B, int64_t Q,
+                 const int64_t* slots, int64_t L, const bool* mask, int64_t H, float scale, float* out) {
+  const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> score(Q * G * L), acc(Q * G * D), inv_sum(Q * G), qs(Q * G * D), buf(KB * D);
-    std::vector<int64_t> lo(Q), hi(Q);
+    Scratch w;
+    w.size(Q * G, D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, g = t % Hkv;
-      const int64_t* seq_slots = slots + b * L;
-      // each row's span of visible keys; the union is read once for all rows
-      int64_t jlo = L, jhi = 0;
+      int64_t R = 0;
       for (int64_t i = 0; i < Q; ++i) {
-        lo[i] = hi[i] = 0;
         const int64_t row = rows[b * Q + i];
         if (row < 0) continue;
+        // the row's span: from its first visible key to its last (the masks layers/attention.py builds are
+        // contiguous: causal, window, the sequence's own keys)
         const bool* m = mask + (b * Q + i) * L;
         int64_t l = 0, h = L;
         while (l < L && !m[l]) ++l;
         while (h > l && !m[h - 1]) --h;
-        lo[i] = l;
-        hi[i] = h;
-        if (l == h) {  // sees no key (cannot happen for a real token): zeros, as a fully masked softmax
-          for (int64_t hh = 0; hh < G; ++hh) std::fill_n(out + (row * H + g * G + hh) * D, D, 0.f);
-          continue;
-        }
-        jlo = std::min(jlo, l);
-        jhi = std::max(jhi, h);
-        // the row's G query heads, times the K scales of an int8 pool
-        for (int64_t hh = 0; hh < G; ++hh) {
-          const float* qh = q + row * q_row_stride + (g * G + hh) * q_head_stride;
-          float* dst = qs.data() + (i * G + hh) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = ks ? qh[d] * ks[g * D + d] : qh[d];
+        for (int64_t hh = 0; hh < G; ++hh, ++R) {
+          w.lo[R] = l;
+          w.hi[R] = h;
+          w.q[R] = q + row * q_row + (g * G + hh) * q_head;
+          w.out[R] = out + (row * H + g * G + hh) * D;
         }
       }
-      // scores, a block of keys at a time (as float32 in L1), 8 keys per step: 8 dot products side by side,
-      // reduced together (hsum8x8). A key's score depends only on its own vector and the query.
-      for (int64_t j0 = jlo; j0 < jhi; j0 += KB) {
-        const int64_t n = std::min(KB, jhi - j0);
-        gather_block(kc, seq_slots, j0, n, jhi, Hkv, g, D, buf.data());
-        for (int64_t i = 0; i < Q; ++i) {
-          const int64_t jb = std::max(lo[i], j0), je = std::min(hi[i], j0 + n);
-          if (jb >= je) continue;
-          const bool* m = mask + (b * Q + i) * L;
-          for (int64_t h = 0; h < G; ++h) {
-            const float* qh = qs.data() + (i * G + h) * D;
-            float* srow = score.data() + (i * G + h) * L;
-            for (int64_t k0 = (jb - j0) / 8 * 8; j0 + k0 < je; k0 += 8) {
-              __m256 a[8];
-              for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-              const float* kb = buf.data() + k0 * D;
-              for (int64_t d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + d);
-                for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + u * D + d), a[u]);
-              }
-              const __m256 sv = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
-              const int64_t jj = j0 + k0;
-              uint64_t m8;
-              // 8 keys inside the row's span and all visible (a decode's usual case): one store
-              if (jj >= jb && jj + 8 <= je && (std::memcpy(&m8, m + jj, 8), m8 == 0x0101010101010101ull)) {
-                _mm256_storeu_ps(srow + jj, sv);
-                continue;
-              }
-              alignas(32) float s8[8];
-              _mm256_store_ps(s8, sv);
-              for (int u = 0; u < 8; ++u) {
-                const int64_t j = j0 + k0 + u;
-                if (j >= jb && j < je) srow[j] = m[j] ? s8[u] : NEG_INF;
-              }
-            }
-          }
-        }
-      }
-      // softmax per (row, head) over its own span
-      for (int64_t i = 0; i < Q; ++i) {
-        if (lo[i] == hi[i]) continue;
-        for (int64_t h = 0; h < G; ++h) {
-          float* s = score.data() + (i * G + h) * L;
-          const float mx = max_of(s + lo[i], hi[i] - lo[i]);
-          const __m256 mxv = _mm256_set1_ps(mx);
-          __m256 sum = _mm256_setzero_ps();
-          int64_t j = lo[i];
-          for (; j + 8 <= hi[i]; j += 8) {
-            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
-            _mm256_storeu_ps(s + j, p);
-            sum = _mm256_add_ps(sum, p);
-          }
-          float tail = 0.f;
-          if (j < hi[i]) {  // the last < 8 keys through the same exp, on a padded copy
-            alignas(32) float pad[8];
-            for (int64_t u = 0; u < 8; ++u) pad[u] = j + u < hi[i] ? s[j + u] - mx : NEG_INF;
-            _mm256_store_ps(pad, exp8(_mm256_load_ps(pad)));
-            for (int64_t u = 0; j + u < hi[i]; ++u) {
-              s[j + u] = pad[u];
-              tail += pad[u];
-            }
-          }
-          inv_sum[i * G + h] = 1.0f / (hsum(sum) + tail);
-        }
-      }
-      // weighted values, a block at a time: each (row, head) accumulator takes its keys in key order
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = jlo; j0 < jhi; j0 += KB) {
-        const int64_t n = std::min(KB, jhi - j0);
-        gather_block(vc, seq_slots, j0, n, jhi, Hkv, g, D, buf.data());
-        for (int64_t i = 0; i < Q; ++i) {
-          const int64_t jb = std::max(lo[i], j0), je = std::min(hi[i], j0 + n);
-          if (jb >= je) continue;
-          for (int64_t h = 0; h < G; ++h) {
-            const float* p = score.data() + (i * G + h) * L;
-            float* a = acc.data() + (i * G + h) * D;
-            for (int64_t dc = 0; dc < D; dc += 64) {
-              switch (std::min<int64_t>(8, (D - dc) / 8)) {
-#define SUDU_NC(NC) \
-  case NC:          \
-    accumulate_values<NC>(a + dc, p, buf.data() + dc, j0, jb, je, D); \
-    break;
-                SUDU_NC(1) SUDU_NC(2) SUDU_NC(3) SUDU_NC(4) SUDU_NC(5) SUDU_NC(6) SUDU_NC(7) SUDU_NC(8)
-#undef SUDU_NC
-                default: break;
-              }
-            }
-          }
-        }
-      }
-      for (int64_t i = 0; i < Q; ++i) {
-        if (lo[i] == hi[i]) continue;
-        const int64_t row = rows[b * Q + i];
-        for (int64_t h = 0; h < G; ++h) {
-          const __m256 inv = _mm256_set1_ps(inv_sum[i * G + h]);
-          const float* a = acc.data() + (i * G + h) * D;
-          float* o = out + (row * H + g * G + h) * D;
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(a + d), inv);
-            _mm256_storeu_ps(o + d, vs ? _mm256_mul_ps(r, _mm256_loadu_ps(vs + g * D + d)) : r);
-          }
-        }
-      }
+      const SeqKV<KV> kv{kc, vc, slots + b * L, Hkv, D, g};
+      attend_rows(kv, R, scale, ks ? ks + g * D : nullptr, vs ? vs + g * D : nullptr, w);
     }
   });
 }
 
+template <typename KV>
+void prompt_impl(const float* q, int64_t q_row, int64_t q_head, float* out, int64_t o_row, int64_t o_head,
+                 const KV* kc, const KV* vc, const float* ks, const float* vs, int64_t Hkv, int64_t D,
+                 const int64_t* slots, int64_t T, int64_t L, int64_t H, int64_t first, int64_t window, float scale) {
+  const int64_t G = H / Hkv, blocks = (T + BQ - 1) / BQ, items = blocks * Hkv;
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  std::atomic<int64_t> next{0};
+  auto work = [&](int64_t, int64_t) {
+    Scratch w;
+    w.size(BQ * G, D);
+    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t blk = blocks - 1 - it / Hkv, g = it % Hkv;  // latest positions (most keys) first
+      const int64_t i0 = blk * BQ, i1 = std::min(T, i0 + BQ);
+      int64_t R = 0;
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t hh = 0; hh < G; ++hh, ++R) {
+          w.lo[R] = window > 0 ? std::max<int64_t>(0, first + i - window + 1) : 0;
+          w.hi[R] = std::min(L, first + i + 1);
+          w.q[R] = q + i * q_row + (g * G + hh) * q_head;
+          w.out[R] = out + i * o_row + (g * G + hh) * o_head;
+        }
+      const SeqKV<KV> kv{kc, vc, slots, Hkv, D, g};
+      attend_rows(kv, R, scale, ks ? ks + g * D : nullptr, vs ? vs + g * D : nullptr, w);
+    }
+  };
+  if (threads <= 1)
+    work(0, 1);
+  else
+    at::parallel_for(0, threads, 1, work);
+}
+
+// The pool's scales (int8) or nulls (float), checked.
+std::pair<const float*, const float*> pool_scales(const torch::Tensor& kc, const torch::Tensor& ks,
+                                                  const torch::Tensor& vs, int64_t Hkv, int64_t D) {
+  if (kc.scalar_type() != torch::kChar) return {nullptr, nullptr};
+  TORCH_CHECK(ks.scalar_type() == torch::kFloat && vs.scalar_type() == torch::kFloat && ks.is_contiguous() &&
+              vs.is_contiguous() && ks.numel() == Hkv * D && vs.numel() == ks.numel(),
+              "int8 pool needs float32 scales [Hkv, D]");
+  return {ks.data_ptr<float>(), vs.data_ptr<float>()};
+}
+
+template <typename F>
+void with_pool(const torch::Tensor& kc, const torch::Tensor& vc, F&& f) {
+  TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "bad pool");
+  TORCH_CHECK(vc.scalar_type() == kc.scalar_type(), "K and V pools differ in dtype");
+  switch (kc.scalar_type()) {
+    case torch::kFloat: f(kc.data_ptr<float>(), vc.data_ptr<float>()); break;
+    case torch::kHalf: f(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>()); break;
+    case torch::kBFloat16: f(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>()); break;
+    case torch::kChar: f(kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>()); break;
+    default: TORCH_CHECK(false, "pool must be float32, float16, bfloat16 or int8");
+  }
+}
+
 }  // namespace
 
-// Writes into out; see the header for the arguments. ks / vs: float32 [Hkv, D] scales for an int8 pool,
-// empty tensors for a float one.
+// q [T, H, D] float32 (unit stride within a head); rows int64 [B, Q] (row of each sequence's i-th new token
+// in q / out, -1 = padding); slots int64 [B, L] (each sequence's key slots in position order, block-aligned:
+// see the header); mask bool [B, Q, L] (true = attend; contiguous per row); out [T, H, D] contiguous.
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
                       torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1, "q must be float32 [T, H, D]");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat, "bad out");
-  TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "bad pool");
   TORCH_CHECK(rows.dim() == 2 && slots.dim() == 2 && mask.dim() == 3 && rows.is_contiguous() && slots.is_contiguous() &&
               mask.is_contiguous() && mask.scalar_type() == torch::kBool, "bad metadata");
   const int64_t H = q.size(1), D = q.size(2), Hkv = kc.size(1), B = rows.size(0), Q = rows.size(1), L = slots.size(1);
   TORCH_CHECK(kc.size(2) == D && D % 8 == 0 && H % Hkv == 0, "head sizes do not match");
   TORCH_CHECK(slots.size(0) == B && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == L, "metadata shapes");
-  TORCH_CHECK(vc.scalar_type() == kc.scalar_type(), "K and V pools differ in dtype");
-  const float* ksp = nullptr;
-  const float* vsp = nullptr;
-  if (kc.scalar_type() == torch::kChar) {
-    TORCH_CHECK(ks.scalar_type() == torch::kFloat && vs.scalar_type() == torch::kFloat && ks.is_contiguous() &&
-                vs.is_contiguous() && ks.numel() == Hkv * D && vs.numel() == ks.numel(),
-                "int8 pool needs float32 scales [Hkv, D]");
-    ksp = ks.data_ptr<float>();
-    vsp = vs.data_ptr<float>();
-  }
-  auto run = [&](auto* k, auto* v) {
-    decode_attention_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), k, v, ksp, vsp, Hkv, D,
-                          rows.data_ptr<int64_t>(), B, Q, slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H,
-                          float(scale), out.data_ptr<float>());
+  const auto [ksp, vsp] = pool_scales(kc, ks, vs, Hkv, D);
+  with_pool(kc, vc, [&](auto* k, auto* v) {
+    decode_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), k, v, ksp, vsp, Hkv, D, rows.data_ptr<int64_t>(), B, Q,
+                slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale), out.data_ptr<float>());
+  });
+}
+
+// q, out [T, H, D] float32 (any row and head strides, unit stride within a head): one sequence's new tokens,
+// query i at key index first + i, seeing key j where j <= first + i and, with window > 0, first + i - j <
+// window; slots int64 [L]: the sequence's key slots in position order, block-aligned (see the header).
+void prompt_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
+                      torch::Tensor slots, torch::Tensor out, int64_t first, int64_t window, double scale) {
+  auto check3 = [](const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat && t.stride(2) == 1 && t.device().is_cpu(),
+                name, " must be float32 [rows, heads, D] on the CPU with unit stride within a head");
   };
-  switch (kc.scalar_type()) {
-    case torch::kFloat: run(kc.data_ptr<float>(), vc.data_ptr<float>()); break;
-    case torch::kHalf: run(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>()); break;
-    case torch::kBFloat16: run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>()); break;
-    case torch::kChar: run(kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>()); break;
-    default: TORCH_CHECK(false, "pool must be float32, float16, bfloat16 or int8");
-  }
+  check3(q, "q");
+  check3(out, "out");
+  TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous() && slots.scalar_type() == torch::kLong, "slots must be int64 [L]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), L = slots.size(0), Hkv = kc.size(1);
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  TORCH_CHECK(kc.dim() == 3 && kc.size(2) == D && D % 8 == 0 && Hkv > 0 && H % Hkv == 0,
+              "the pool must be [S, Hkv, D] with Hkv dividing q's heads and D (q's) a multiple of 8");
+  TORCH_CHECK(first >= 0 && first + T <= L && window >= 0, "the queries must be the last of the keys' positions");
+  if (T == 0) return;
+  const auto [ksp, vsp] = pool_scales(kc, ks, vs, Hkv, D);
+  with_pool(kc, vc, [&](auto* k, auto* v) {
+    prompt_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), out.data_ptr<float>(), out.stride(0), out.stride(1), k,
+                v, ksp, vsp, Hkv, D, slots.data_ptr<int64_t>(), T, L, H, first, window, float(scale));
+  });
 }

@@ -1,7 +1,7 @@
 // The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers, with
 // gguf_tiles.cpp for GGUF's own block formats),
-// attention.cpp (attention of few new tokens over the paged KV pool), prompt_attention.cpp (a prompt chunk's
-// attention), ops.cpp (a decoder layer's elementwise steps), decoder.cpp (a whole decode step's decoder
+// attention.cpp (attention over the paged KV pool: few new tokens of many sequences, or a prompt chunk, one
+// arithmetic), ops.cpp (a decoder layer's elementwise steps), decoder.cpp (a whole decode step's decoder
 // stack), moe.cpp (routed experts) and bounded_head.cpp (a greedy row's candidates in the output head).
 #include "kernels.h"
 
@@ -34,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out",
         py::call_guard<py::gil_scoped_release>());
   m.def("prompt_attention", &prompt_attention,
-        "a prompt chunk's attention over its keys (causal from `first`, optional window), into out",
+        "a prompt chunk's attention over its key slots in the pool (causal from `first`, optional window), into out",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows: x * rsqrt(mean(x^2) + eps) * w");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");

@@ -44,12 +44,13 @@ int64_t set_bypass_rows(int64_t min_rows);
 // Whether qlinear gives each thread a contiguous share of the tiles (else chunks from a shared counter);
 // returns the previous setting.
 bool set_contiguous_shares(bool on);
+// softmax(q k^T * scale) v over the paged KV pool, every row by one arithmetic (attention.cpp): few new tokens
+// of many sequences (decode_attention), a prompt chunk's new tokens causal from `first` and within `window`
+// keys when > 0 (prompt_attention); into out.
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
                       torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out);
-// softmax(q k^T * scale) v of a prompt chunk's queries over its sequence's keys, causal from `first` (and
-// within `window` keys when > 0), into out (prompt_attention.cpp).
-void prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, int64_t first,
-                      int64_t window, double scale);
+void prompt_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
+                      torch::Tensor slots, torch::Tensor out, int64_t first, int64_t window, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);

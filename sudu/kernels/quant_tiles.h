@@ -12,15 +12,15 @@ namespace qtiles {
 constexpr int64_t TILE_ROWS = 16;
 
 // Weights stream from memory once per call; every kernel prefetches this far ahead of its loads (one
-// prefetch per 64-byte line, measured best among 2-32 KiB: the hardware prefetcher alone leaves the
-// kernel 20-40% short of the bandwidth). Prefetching past the end is harmless (no fault).
+// prefetch per 64-byte line; the hardware prefetcher alone leaves the kernel short of the bandwidth).
+// Prefetching past the end is harmless (no fault). Distances compared: docs/cpu_speed.md, "Prefetching".
 constexpr int64_t PREFETCH_BYTES = 4096;
 // Those prefetches fill L2, not L1: a core has few L1 misses in flight and its arithmetic keeps them busy,
-// while prefetches into L2 queue there and keep the stream going as the core computes (on a Zen 4 VM the
-// one-row kernels decoded faster with T1 than with T0 in every paired round: docs/cpu_speed.md).
+// while prefetches into L2 queue there and keep the stream going as the core computes (T1 against T0:
+// docs/cpu_speed.md).
 constexpr auto PREFETCH_HINT = _MM_HINT_T1;
-// The GGUF formats' kernels (gguf_tiles.cpp) prefetch further ahead: with the weights in huge pages they
-// decoded faster at 6 KiB than at 4 in every step-by-step comparison, where the int8 kernel was slower.
+// The GGUF formats' kernels (gguf_tiles.cpp) prefetch further ahead, which pays with the weights in huge
+// pages where the int8 kernel's does not (docs/cpu_speed.md, "GGUF prefetch at 6 KiB").
 constexpr int64_t GGUF_PREFETCH_BYTES = 6144;
 
 // The first n bytes of a call's weights (the kernel's prefetch distance), requested at once: the in-loop

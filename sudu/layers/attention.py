@@ -4,11 +4,11 @@ The pool of one layer is a KVCache (layers/kv_cache.py) of [num_slots, num_kv_he
 slot = block_id * block_size + offset. The model runner describes each forward pass in an
 AttentionMetadata: per group of layers (global; sliding-window), where the new tokens' K/V go
 (slot_mapping) and, per sequence, which slots hold the keys it may see. Sequences with few new tokens
-(decodes, speculative verification, short chunks) are attended together in one call: the native kernel
-(kernels/attention.cpp) reads their keys straight from the pool, each query row on its own; without it,
-one padded SDPA call over gathered copies. Longer prefill chunks attend one by one: in float32 through the
-native prompt kernel (kernels/prompt_attention.cpp: grouped heads without copies, causal blocks skipped),
-otherwise (bfloat16 chunks, CUDA, no extension) through SDPA.
+(decodes, speculative verification, short chunks) are attended together in one call, longer prefill chunks
+one by one; both through the native kernels (kernels/attention.cpp), which read keys and values straight
+from the pool and compute every query row with one arithmetic: a row's result is the same whichever kernel,
+batch, chunking or cache state computes it (docs/exactness.md). Without them (no extension, CUDA, another
+pool dtype), and for --fast-math's bfloat16 prompt chunks, SDPA.
 """
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ from sudu import kernels
 from sudu.cuda.paged_attention import PagedBatch
 from sudu.cuda.paged_attention import paged_attention as paged_kernel
 from sudu.layers.kv_cache import NATIVE_POOL_DTYPES, Int8KVCache, KVCache
-from sudu.layers.linear import fuse_linears
+from sudu.layers.fuse import fuse_linears
 
 _EMPTY = torch.empty(0)  # a float pool's scales
 
 
 NATIVE_MAX_Q = 8  # the native kernel takes batches whose sequences have at most this many new tokens
+# keys per block of the native kernels (kernels/attention.cpp KB): a sequence's key list starts at a position
+# that is a multiple of it (build_view pads it), so blocks sit at the same absolute positions in every call
+KEY_BLOCK = 64
 
 
 def decode_kernel(q: torch.Tensor, cache: KVCache, max_q: int):
@@ -123,8 +126,8 @@ class AttentionMetadata:
     sliding: AttentionView | None  # None: the model has no sliding-window layers
     kv_caches: list[KVCache] = field(default_factory=list)  # per layer
     # the element type the prompt chunks' SDPA runs in (None: the queries'): bfloat16 in a step whose
-    # linears run as bfloat16 GEMMs (layers/linear.py prefill_attention_dtype), which makes the flash
-    # kernel about 4x faster than in float32 and rounds no coarser than those GEMMs' inputs
+    # linears run as bfloat16 GEMMs (layers/linear.py prefill_attention_dtype): the flash kernel is faster
+    # there than in float32 (docs/cpu_speed.md) and rounds no coarser than those GEMMs' inputs
     sdpa_dtype: torch.dtype | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
@@ -137,11 +140,20 @@ class AttentionMetadata:
 def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], key_slots: list[torch.Tensor],
                window: int | None) -> AttentionView:
     """Sequence i has q_lens[i] new tokens at the end of ctx_lens[i] positions and sees the keys at
-    positions key_starts[i]..ctx_lens[i]-1, held in key_slots[i]."""
+    positions key_starts[i]..ctx_lens[i]-1, held in key_slots[i]. A key list that starts past position 0 (a
+    sliding window's own pool: only with window set, whose mask hides every earlier position) is padded at
+    its front with slot 0 back to a multiple of KEY_BLOCK."""
     slot_parts, seqs, small, small_rows = [], [], [], []
+    key_starts, key_slots = list(key_starts), list(key_slots)
     row = 0
-    for i, (q_len, ctx_len, k0, slots) in enumerate(zip(q_lens, ctx_lens, key_starts, key_slots)):
+    for i, (q_len, k0, slots) in enumerate(zip(q_lens, key_starts, key_slots)):
         slot_parts.append(slots[slots.numel() - q_len:])
+        if k0 % KEY_BLOCK:
+            assert window, "a key list that does not start at position 0 needs a window mask over its padding"
+            pad = k0 % KEY_BLOCK
+            key_slots[i] = torch.cat([torch.zeros(pad, dtype=slots.dtype), slots])
+            key_starts[i] = k0 - pad
+    for i, (q_len, ctx_len, k0, slots) in enumerate(zip(q_lens, ctx_lens, key_starts, key_slots)):
         if q_len <= SMALL_Q:
             small.append(i)
             small_rows.append(row)
@@ -217,10 +229,12 @@ def build_metadata(
 
 
 def prompt_kernel(q: torch.Tensor, cache: KVCache, dtype: torch.dtype):
-    """The native prompt-chunk kernel (kernels/prompt_attention.cpp), or None: it takes float32 queries on the
-    CPU whose head size (K's and V's alike) is a multiple of 8; bfloat16 chunks stay with SDPA's flash kernel,
-    which runs them on the CPU's bfloat16 units."""
+    """The native prompt-chunk kernel (kernels/attention.cpp prompt_attention: the decode kernel's arithmetic),
+    or None: it takes float32 queries on the CPU whose head size (K's and V's alike) is a multiple of 8, over
+    a pool it reads (the decode kernel's conditions); --fast-math's bfloat16 chunks stay with SDPA's flash
+    kernel, which runs them on the CPU's bfloat16 units."""
     if (not q.is_cpu or q.dtype != torch.float32 or dtype != torch.float32 or q.shape[-1] % 8
+            or cache.k.dtype not in NATIVE_POOL_DTYPES
             or cache.k.shape[-1] != q.shape[-1] or cache.v.shape[-1] != q.shape[-1]):
         return None
     ext = kernels.load()
@@ -254,11 +268,11 @@ def paged_attention(
         return paged_kernel(q, cache.k, cache.v, view.paged, scale, out, *scales)
     dtype = meta.sdpa_dtype or q.dtype
     native = prompt_kernel(q, cache, dtype) if view.seqs else None
+    pool_scales = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (_EMPTY, _EMPTY)
     for s in view.seqs:
         if native is not None:
-            ks, vs = cache.read(s.key_slots, dtype)  # [keys, Hkv, D]
-            native(q[s.q_start:s.q_start + s.q_len], ks, vs, out[s.q_start:s.q_start + s.q_len], s.first, s.window,
-                   scale)
+            native(q[s.q_start:s.q_start + s.q_len], cache.k, cache.v, *pool_scales, s.key_slots,
+                   out[s.q_start:s.q_start + s.q_len], s.first, s.window, scale)
             continue
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).to(dtype)  # [H, q, D]
         ks, vs = cache.read(s.key_slots, dtype)  # [keys, Hkv, D]
@@ -273,8 +287,7 @@ def paged_attention(
     d = view.decode
     kernel = decode_kernel(q, cache, d.rows.shape[1]) if d is not None else None
     if kernel is not None:
-        ks, vs = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (_EMPTY, _EMPTY)
-        kernel(q, cache.k, cache.v, ks, vs, d.rows, d.slots, d.mask[:, 0], scale, out)
+        kernel(q, cache.k, cache.v, *pool_scales, d.rows, d.slots, d.mask[:, 0], scale, out)
     elif d is not None:
         B, max_q = d.rows.shape
         qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, *q.shape[1:]).transpose(1, 2)

@@ -31,8 +31,11 @@ import math
 import torch
 
 from sudu import kernels
+from sudu.host.huge_pages import move_to_huge_pages
+from sudu.host.memory import release_freed_memory
 from sudu.layers.gguf_native import segments
-from sudu.layers.linear import TILE_BLOCK_BYTES, TILE_ROWS, QuantizedLinear, dequantize_torch, pack, quantize_int4
+from sudu.layers.linear import QuantizedLinear
+from sudu.quant.formats import TILE_BLOCK_BYTES, TILE_ROWS, dequantize_torch, pack, quantize_int4
 from sudu.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,7 +67,7 @@ def serves(scheduled) -> bool:
 
 def argmax_only(p: SamplingParams) -> bool:
     """Whether a request's tokens depend on nothing but its logits' argmax: greedy, without logprobs,
-    penalties or a grammar (layers/sampler.py, engine/speculative.py verify_draft)."""
+    penalties or a grammar (layers/sampler.py, engine/spec/verify.py verify_draft)."""
     return (p.greedy and p.logprobs is None and p.grammar is None and p.repetition_penalty == 1.0
             and not p.frequency_penalty and not p.presence_penalty)
 
@@ -160,9 +163,6 @@ def eligible(model: torch.nn.Module) -> bool:
 def build(model: torch.nn.Module, hidden_of) -> BoundedHead | None:
     """A BoundedHead for model's output head where `eligible`, else None. hidden_of(): the final hidden states
     of a calibration text [n, K]."""
-    from sudu.engine.huge_pages import move_to_huge_pages
-    from sudu.engine.memory import release_freed_memory
-
     if not eligible(model):
         return None
     bounded = BoundedHead(model.lm_head, hidden_of())

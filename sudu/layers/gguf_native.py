@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from sudu.layers import linear
+from sudu.quant.formats import TILE_ROWS, pack, q8_0_blocks
 
 # kernels/quant_tiles.h Format
 INT8, INT4, Q5_0, Q4_K, Q5_K, Q6_K = range(6)
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 SEGMENTED_MAGIC = 0x3130515544555353
 HEADER_INT64, MAX_SEGMENTS, ALIGN = 16, 4, 64
-TILE = linear.TILE_ROWS
+TILE = TILE_ROWS
 
 
 def tiles(qt) -> tuple[int, torch.Tensor]:
@@ -37,8 +38,8 @@ def tiles(qt) -> tuple[int, torch.Tensor]:
     n, k = qt.shape
     ntiles = -(-n // TILE)
     if qt.ggml_type == "Q8_0":  # q8_0_blocks permutes the rows itself
-        q, s = linear.q8_0_blocks(qt)
-        return INT8, linear.pack("int8", q, s, None, 32).reshape(ntiles, -1)
+        q, s = q8_0_blocks(qt)
+        return INT8, pack("int8", q, s, None, 32).reshape(ntiles, -1)
     blocks = qt.blocks if qt.row_permutation is None else qt.blocks[np.asarray(qt.row_permutation)]
     if qt.ggml_type in ("Q4_0", "Q4_1"):  # w = d q + m: sudu's int4 tile, m = -8 d for Q4_0 (exact in float16)
         b = np.ascontiguousarray(blocks).reshape(n, k // 32, -1)
@@ -47,7 +48,7 @@ def tiles(qt) -> tuple[int, torch.Tensor]:
         if not torch.isfinite(m).all():  # -8 d past float16's range: no exact int4 tile
             raise ValueError("Q4_0 scale too large for the int4 tile")
         packed = torch.from_numpy(np.ascontiguousarray(b[..., -16:])).reshape(n, k // 2)  # the int4 row layout
-        return INT4, linear.pack("int4", packed, d, m, 32).reshape(ntiles, -1)
+        return INT4, pack("int4", packed, d, m, 32).reshape(ntiles, -1)
     fmt = {"Q5_0": Q5_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}[qt.ggml_type]
     return fmt, kernels.load().repack_gguf(torch.from_numpy(np.ascontiguousarray(blocks)), fmt, k)
 
@@ -155,21 +156,18 @@ def _native_embedding(model: torch.nn.Module, ckpt, tied_head) -> bool:
     return True
 
 
-def native_tensor_names(ckpt, model_config) -> frozenset[str]:
+def native_tensor_names(ckpt, meta_model: torch.nn.Module) -> frozenset[str]:
     """The checkpoint tensors quantize_native will run from their blocks (every nn.Linear weight and the token
-    embedding whose file type has a kernel), found on a meta-device build of the network: the loader need
-    not dequantize them (Checkpoint.tensors placeholders). Empty without the native kernels (quantize_native
-    then keeps float weights)."""
+    embedding whose file type has a kernel), found on a meta-device build of the network (the caller builds
+    it: layers never build a model): the loader need not dequantize them (Checkpoint.tensors placeholders).
+    Empty without the native kernels (quantize_native then keeps float weights)."""
     from torch import nn
 
     from sudu import kernels
-    from sudu.models import build_model
 
     if getattr(ckpt, "format", None) != "gguf" or kernels.load() is None:
         return frozenset()
-    with torch.device("meta"):
-        model = build_model(model_config)
-    return frozenset(f"{name}.weight" for name, m in model.named_modules()
+    return frozenset(f"{name}.weight" for name, m in meta_model.named_modules()
                      if isinstance(m, (nn.Linear, nn.Embedding)) and native_blocks(ckpt, name, m) is not None)
 
 

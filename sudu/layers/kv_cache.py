@@ -9,16 +9,14 @@ scales a few KiB per layer whatever the pool's size.
 
 Why per channel and not per token: K's channels differ by orders of magnitude (Qwen2.5's k_proj bias puts
 a few channels far above the rest), so one scale per token vector spends its 8 bits on the outliers and
-rounds the small channels away; a scale per channel keeps each channel's own range. Measured on the 0.5B
-(tests/test_quantization_accuracy.py): greedy agreement 98.6%, perplexity +0.66% over a float32 pool,
-against 97.9% and +2.2% with a float16 scale per (token, head).
+rounds the small channels away; a scale per channel keeps each channel's own range (the two compared:
+docs/cpu_speed.md, "int8 KV and hybrid attention memory").
 
 The scales come from a calibration pass: the model runs a fixed chat turn, code and prose (CALIBRATION_*
 below, distinct from the accuracy test's texts) over a float pool while every layer's K and V ranges are
 recorded, and each scale covers KV_SCALE_MARGIN times the largest value seen. Other texts reach past the
-calibration's range in some channels (Chinese prose, a list of numbers: up to ~2.5x), so the margin trades
-resolution for headroom: at 1.25, 0.05-0.18% of those texts' values saturate (perplexity +0.02%); at 2,
-0.0005-0.003% (+0.66%); at 3, almost none (+0.75%). K is recorded after rotary
+calibration's range in some channels (Chinese prose, a list of numbers), so the margin trades resolution
+for headroom (margins compared: docs/cpu_speed.md, "int8 KV and hybrid attention memory"). K is recorded after rotary
 embedding, as the norm of each rotate-half channel pair (i, i + D/2): a rotation moves a value between the
 two channels of its pair but never above the pair's norm, so the range holds at every position. Values
 past the range saturate at +-127 (never wrap).

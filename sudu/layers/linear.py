@@ -11,19 +11,18 @@ Formats (accumulation in float32; see the dispatch below for the activations):
 Both are stored as the kernel reads them: rows in tiles of 16 (pack), so that one vector operation
 covers one block of 16 rows.
 
-Dispatch by the number of activation rows M (see benchmarks/linear_kernels.py for the figures):
-  M <  PREFILL_MIN_ROWS  the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
-                         blocks of 32 (llama.cpp's Q8 activations), integer dot products against the
-                         quantized weights (AVX2, or AVX-512 VNNI where present), each weight row read from
-                         memory once per call whatever M is. One row is bound by memory bandwidth; a batch
-                         of 8 costs far less than 8 rows one by one. Every row takes the same float operations at every
-                         M and on either instruction set, so results are bit for bit independent of the
-                         batch: greedy speculative decoding stays identical to plain decoding.
-  M >= PREFILL_MIN_ROWS  prefill chunks: dequantize slices of output channels (each temporary under
-                         DEQUANT_SLICE_BYTES) and run GEMMs. Which side of the switch is faster depends on
-                         the CPU's multiply units (prefill_path below): with AMX tiles, bfloat16 GEMMs from 256
-                         rows; with AVX-512 VNNI and no AMX, the integer kernel at every row count (its int8
-                         dot products issue at twice bfloat16's rate there); AVX2 only, float32 GEMMs from 513.
+Dispatch (see benchmarks/linear_kernels.py for the figures): by default every call, whatever its number of
+activation rows M, takes the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
+blocks of 32 (llama.cpp's Q8 activations), integer dot products against the quantized weights (AVX2, or
+AVX-512 VNNI where present), each weight row read from memory once per call whatever M is. One row is bound
+by memory bandwidth; a batch of 8 costs far less than 8 rows one by one. Every row takes the same float
+operations at every M and on either instruction set, so results are bit for bit independent of the batch,
+of how a prompt is chunked and of what is cached (docs/exactness.md).
+With --fast-math (fast_prefill below) prompt chunks of PREFILL_MIN_ROWS+ rows instead dequantize slices of
+output channels (each temporary under DEQUANT_SLICE_BYTES) and run GEMMs, where that is faster on the CPU's
+multiply units (prefill_path): with AMX tiles, bfloat16 GEMMs from 256 rows; AVX2 only, float32 GEMMs from
+513; with AVX-512 VNNI and no AMX, never (its int8 dot products issue at twice bfloat16's rate there). A
+row's numbers then depend on how many rows share its step: opt-in, with its price in docs/exactness.md.
 Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
 PyTorch ops: correct, but decode loses the quantization speed-up. (PyTorch's own packed kernels,
 _weight_int8pack_mm / _weight_int4pack_mm_for_cpu, need bf16 activations, per-channel int8 or their own
@@ -35,17 +34,15 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sudu import kernels
+from sudu.quant.formats import FORMATS, GROUP_SIZE, TILE_ROWS, dequantize_torch, pack, quantize_int4, quantize_int8, unpack
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("int8", "int4")
-GROUP_SIZE = 32
 DEQUANT_SLICE_BYTES = 64 << 20
 
 
@@ -58,8 +55,8 @@ NEVER = 1 << 62  # PREFILL_MIN_ROWS where no row count takes the GEMM
 
 
 def prefill_path() -> tuple[torch.dtype, int]:
-    """(PREFILL_DTYPE, PREFILL_MIN_ROWS): the GEMM's element type for prompt chunks and the fewest rows that take
-    it instead of the integer kernel, chosen by which is faster on this CPU's multiply units
+    """--fast-math's (PREFILL_DTYPE, PREFILL_MIN_ROWS): the GEMM's element type for prompt chunks and the fewest
+    rows that take it instead of the integer kernel, chosen by which is faster on this CPU's multiply units
     (`python -m benchmarks.native_kernels --rows 64,256,512,2048 --gemm`; figures in docs/cpu_speed.md):
     - AMX: oneDNN's bfloat16 tile GEMMs run at several times the kernel's rate from a few hundred rows;
     - AVX-512 VNNI without AMX (Zen 4, AVX-512 Xeons whose AMX is not granted): `vpdpbusd` does twice the
@@ -72,7 +69,14 @@ def prefill_path() -> tuple[torch.dtype, int]:
     return torch.float32, 513
 
 
-PREFILL_DTYPE, PREFILL_MIN_ROWS = prefill_path()
+# The invariant default: the integer kernel at every row count (fast_prefill switches it per engine step).
+PREFILL_DTYPE, PREFILL_MIN_ROWS = torch.float32, NEVER
+
+
+def fast_prefill(fast_math: bool) -> tuple[torch.dtype, int]:
+    """(PREFILL_DTYPE, PREFILL_MIN_ROWS) an engine runs its steps with: the invariant default, or with
+    fast_math prefill_path's GEMMs for long prompt chunks."""
+    return prefill_path() if fast_math else (torch.float32, NEVER)
 
 
 @contextlib.contextmanager
@@ -86,122 +90,6 @@ def prefill_path_as(min_rows: int, dtype: torch.dtype | None = None) -> Iterator
         yield
     finally:
         PREFILL_MIN_ROWS, PREFILL_DTYPE = saved
-
-
-def quantize_int8(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (q int8 [N, K], scales float16 [N, K / group_size])."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // group_size, group_size)
-    scales = (g.abs().amax(dim=-1) / 127.0).half()
-    # Divide by the float16-rounded scale actually stored, so dequantization is consistent with it.
-    s = scales.float().clamp_min(torch.finfo(torch.float16).tiny).unsqueeze(-1)
-    q = torch.round(g / s).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(n, k), scales
-
-
-def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (packed uint8 [N, K / 2], scales, mins float16 [N, K / group_size])."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scales = ((hi - lo) / 15.0).half()
-    mins = lo.half()
-    s = scales.float().clamp_min(torch.finfo(torch.float16).tiny).unsqueeze(-1)
-    q = torch.round((g - mins.float().unsqueeze(-1)) / s).clamp_(0, 15).to(torch.uint8)
-    # Sub-blocks of 32: byte j holds element j (low nibble) and j + 16 (high nibble); see quant_linear.cpp.
-    q = q.reshape(n, k // 32, 2, 16)
-    packed = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(n, k // 2)
-    return packed.contiguous(), scales, mins
-
-
-def dequantize_torch(fmt: str, qweight, scales, mins, group_size: int) -> torch.Tensor:
-    """Reference dequantization in PyTorch ops (the fallback path and the tests' ground truth), of the row
-    layout (quantize_int8 / quantize_int4 output)."""
-    n = qweight.shape[0]
-    if fmt == "int8":
-        q = qweight.float().reshape(n, -1, group_size)
-        return (q * scales.float().unsqueeze(-1)).reshape(n, -1)
-    packed = qweight.reshape(n, -1, 1, 16)
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=2).float().reshape(n, -1, group_size)
-    return (q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)).reshape(n, -1)
-
-
-# Weights as the kernel reads them (kernels/quant_linear.cpp explains the layouts): rows in tiles of
-# TILE_ROWS, the last zero-padded.
-#   int4, per tile and 32-block, 320 bytes: 256 code bytes (4 chunks of 64: lane l, bytes 4l..4l+3, holds
-#         row l's columns 8c..8c+3 in its low nibbles and 8c+4..8c+7 in its high ones), then the 16
-#         float16 scales and the 16 float16 mins.
-#   int8, per tile and pair of blocks, 1088 bytes: each block's 512 code bytes (8 chunks of 64: lane l =
-#         row l's columns 4c..4c+3, as q + 128), then the two blocks' 16 float16 scales; an odd last block
-#         is paired with a zero one. Shape [tiles, ceil(blocks / 2), 1088].
-TILE_ROWS, TILE_BLOCK_BYTES = 16, {"int4": 320, "int8": 1088}
-
-
-def _tiled(v: torch.Tensor, tiles: int) -> torch.Tensor:
-    """[tiles * 16, blocks, ...] -> [tiles, blocks, 16, ...]"""
-    return v.reshape(tiles, TILE_ROWS, *v.shape[1:]).transpose(1, 2)
-
-
-def _untiled(v: torch.Tensor) -> torch.Tensor:
-    """_tiled's inverse."""
-    return v.transpose(1, 2).reshape(v.shape[0] * TILE_ROWS, v.shape[1], *v.shape[3:])
-
-
-def pack(fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-         group_size: int) -> torch.Tensor:
-    """The row layout (quantize_int8 / quantize_int4: codes, scales and mins [N, K / group_size]) -> the
-    kernel's tiles uint8 [ceil(N / 16), K / 32, TILE_BLOCK_BYTES[fmt]]."""
-    n = qweight.shape[0]
-    if fmt == "int4":
-        halves = qweight.reshape(n, -1, 1, 16)
-        codes = torch.cat([halves & 0x0F, halves >> 4], dim=2).reshape(n, -1, 32)  # column order in a block
-    else:
-        codes = (qweight.view(torch.uint8) ^ 0x80).reshape(n, -1, 32)  # q + 128
-    nb, tiles = codes.shape[1], -(-n // TILE_ROWS)
-    pad = tiles * TILE_ROWS - n
-    per_block = [v.repeat_interleave(group_size // 32, dim=1) for v in (scales, mins) if v is not None]
-    codes = F.pad(codes, (0, 0, 0, 0, 0, pad), value=0 if fmt == "int4" else 0x80)  # padding rows: q = 0
-    halves16 = [_tiled(F.pad(v, (0, 0, 0, pad)), tiles).contiguous().view(torch.uint8) for v in per_block]
-    if fmt == "int4":
-        c = _tiled(codes, tiles).reshape(tiles, nb, TILE_ROWS, 4, 2, 4)  # tile, block, lane, chunk, nibble, byte
-        code_bytes = (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(2, 3).reshape(tiles, nb, 256)
-        return torch.cat([code_bytes, *halves16], dim=2).contiguous()
-    c = _tiled(codes, tiles).reshape(tiles, nb, TILE_ROWS, 8, 4).transpose(2, 3).reshape(tiles, nb, 512)
-    scale_bytes = halves16[0]
-    if nb % 2:  # a zero block (q = 0, scale 0) to pair with the last
-        c, scale_bytes = F.pad(c, (0, 0, 0, 1), value=0x80), F.pad(scale_bytes, (0, 0, 0, 1))
-    pairs = (nb + 1) // 2
-    return torch.cat([c.reshape(tiles, pairs, 1024), scale_bytes.reshape(tiles, pairs, 64)], dim=2).contiguous()
-
-
-def unpack(fmt: str, tiles: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """pack's inverse for the first n rows of k columns, with scales (and mins) per 32 columns: (qweight,
-    scales, mins)."""
-    t, nb = tiles.shape[0], k // 32
-
-    def halves(v: torch.Tensor) -> torch.Tensor:  # [t, nb, 32] bytes -> [n, nb] float16
-        return _untiled(v.contiguous().view(torch.float16))[:n].contiguous()
-
-    if fmt == "int4":
-        b = tiles[:, :, :256].reshape(t, nb, 4, TILE_ROWS, 4).transpose(2, 3)  # tile, block, lane, chunk, byte
-        codes = _untiled(torch.stack([b & 0x0F, b >> 4], dim=4).reshape(t, nb, TILE_ROWS, 32))[:n]
-        qweight = (codes[:, :, :16] | (codes[:, :, 16:] << 4)).reshape(n, nb * 16).contiguous()
-        return qweight, halves(tiles[:, :, 256:288]), halves(tiles[:, :, 288:])
-    pairs = tiles.shape[1]
-    c = tiles[:, :, :1024].reshape(t, 2 * pairs, 8, TILE_ROWS, 4)[:, :nb].transpose(2, 3).reshape(t, nb, TILE_ROWS, 32)
-    qweight = (_untiled(c)[:n] ^ 0x80).reshape(n, nb * 32).contiguous().view(torch.int8)
-    return qweight, halves(tiles[:, :, 1024:].reshape(t, 2 * pairs, 32)[:, :nb]), None
-
-
-def q8_0_blocks(qt) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF Q8_0 blocks (per 32 weights: float16 scale, 32 int8) -> the int8 format, bit for bit."""
-    rows = np.ascontiguousarray(qt.blocks).reshape(qt.shape[0], -1, 34)
-    scales = torch.from_numpy(np.ascontiguousarray(rows[:, :, :2]).view(np.float16).reshape(qt.shape[0], -1))
-    q = torch.from_numpy(np.ascontiguousarray(rows[:, :, 2:]).view(np.int8).reshape(qt.shape[0], -1))
-    if qt.row_permutation is not None:
-        perm = torch.from_numpy(np.asarray(qt.row_permutation, dtype=np.int64))
-        q, scales = q[perm], scales[perm]
-    return q.contiguous(), scales.contiguous()
 
 
 class QuantizedLinear(nn.Module):
@@ -331,128 +219,3 @@ class FloatWeight(nn.Module):
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
-
-
-def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
-    """One layer computing the given layers' outputs side by side (concatenated along the last dim), for
-    layers that read the same input: q/k/v, gate/up. Fewer, larger calls: less per-call overhead, and the
-    activations are read (and, quantized, rounded to int8) once. Each output column is computed exactly as
-    before: the quantized kernel's rows do not interact, and float32 GEMM columns do not either (nor do the
-    CUDA path's Triton layers', sudu/cuda/quant_linear.py: their K loop depends on K only). Returns
-    None when the layers cannot be fused (mixed kinds or formats)."""
-    first = layers[0]
-    if all(type(m) is nn.Linear for m in layers):
-        if len({(m.in_features, m.weight.dtype) for m in layers}) != 1:
-            return None
-        fused = nn.Linear(first.in_features, sum(m.out_features for m in layers),
-                          bias=any(m.bias is not None for m in layers), dtype=first.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([m.weight for m in layers]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
-                                            for m in layers]))
-        return fused.eval().requires_grad_(False)
-    if all(isinstance(m, QuantizedLinear) for m in layers) and any(m.fmt == "native" for m in layers):
-        # GGUF formats, possibly several: one segmented tensor (layers/gguf_native.py), whole tiles only
-        if len({m.in_features for m in layers}) != 1 or any(m.out_features % TILE_ROWS for m in layers):
-            return None
-        from sudu.layers import gguf_native
-
-        parts = [p for m in layers for p in gguf_native.layer_segments(m)]
-        if len({f for f, _ in parts}) > gguf_native.MAX_SEGMENTS:
-            return None
-        bias = None
-        if any(m.bias is not None for m in layers):
-            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
-        return QuantizedLinear("native", gguf_native.segmented(first.in_features, parts), None, None, bias,
-                               first.in_features, out_features=sum(m.out_features for m in layers))
-    if all(isinstance(m, QuantizedLinear) for m in layers):
-        if len({(m.fmt, m.in_features, m.group_size) for m in layers}) != 1:
-            return None
-        bias = None
-        if any(m.bias is not None for m in layers):
-            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
-        n = sum(m.out_features for m in layers)
-        if all(m.out_features % TILE_ROWS == 0 for m in layers):  # whole tiles
-            return QuantizedLinear(first.fmt, torch.cat([m.qweight for m in layers]), None, None, bias,
-                                   first.in_features, first.group_size, out_features=n)
-        parts = [m.row_layout() for m in layers]
-        mins = torch.cat([p[2] for p in parts]) if first.fmt == "int4" else None
-        return QuantizedLinear(first.fmt, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                               mins, bias, first.in_features, parts[0][3])
-    from sudu.cuda.quant_linear import TritonQuantizedLinear  # the CUDA path's layers (triton only when they run)
-
-    if all(isinstance(m, TritonQuantizedLinear) for m in layers):
-        if len({(m.fmt, m.in_features) for m in layers}) != 1:
-            return None
-        return TritonQuantizedLinear.cat(layers)
-    return None
-
-
-# What `--quantization auto` (the default) picks for a checkpoint whose weights are already quantized (GGUF
-# files such as the catalog's Q4_K_M): the file's own blocks (layers/gguf_native.py), the file's exact
-# values. int8 and int4 re-quantize them and stay as explicit choices (docs/cpu_speed.md compares the three).
-# Float checkpoints stay float.
-AUTO_FORMAT = "native"
-FLOAT_GGML_TYPES = {"F32", "F16", "BF16"}
-
-
-def resolve_format(requested: str, ckpt) -> str:
-    """The weight format an engine runs: `requested`, or for "auto" AUTO_FORMAT when the checkpoint's
-    linear weights come quantized and "none" when they come as floats."""
-    if requested != "auto":
-        return requested
-    if ckpt is None or getattr(ckpt, "format", None) != "gguf":
-        return "none"
-    for name in ckpt.tensor_names():
-        qt = ckpt.quantized(name)
-        if name.endswith("proj.weight") and qt is not None and qt.ggml_type not in FLOAT_GGML_TYPES:
-            return AUTO_FORMAT
-    return "none"
-
-
-def replace_linears(model: nn.Module, ckpt, fmt: str, group_size: int, build) -> int:
-    """Every nn.Linear whose input width is a multiple of group_size (itself a multiple of 32) replaced in place
-    by build(module, its GGUF tensor or None); the others stay float (a warning names them). Returns how many
-    were replaced."""
-    replaced, kept = 0, []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        if module.in_features % group_size != 0 or group_size % 32 != 0:
-            kept.append(name)
-            continue
-        qt = ckpt.quantized(f"{name}.weight") if ckpt is not None else None
-        with torch.no_grad():
-            new = build(module, qt)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        replaced += 1
-    if kept:
-        log.warning("quantization %s: kept %d linear layers in float (input width not a multiple of %d): %s",
-                    fmt, len(kept), group_size, ", ".join(kept[:3]))
-    return replaced
-
-
-def quantize_model(model: nn.Module, ckpt, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
-    """Replace every nn.Linear whose input width is a multiple of the group size with a QuantizedLinear,
-    in place, in format `fmt` (native: layers/gguf_native.py quantize_native). Q8_0
-    tensors in a GGUF checkpoint become int8 by copying their blocks; everything else is quantized from
-    the loaded float weights. Layers that do not fit the group size stay float."""
-    if fmt == "native":
-        from sudu.layers.gguf_native import quantize_native
-
-        return quantize_native(model, ckpt)
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quantization {fmt!r}; expected none, native, {', '.join(FORMATS)}")
-
-    def build(module: nn.Linear, qt) -> nn.Module:
-        if fmt == "int8" and group_size == 32 and qt is not None and qt.ggml_type == "Q8_0":
-            q, s = q8_0_blocks(qt)
-            return QuantizedLinear("int8", q, s, None, module.bias, module.in_features, group_size)
-        return QuantizedLinear.from_float(fmt, module.weight, module.bias, group_size)
-
-    replaced = replace_linears(model, ckpt, fmt, group_size, build)
-    log.info("quantization %s: %d linear layers, native kernels %s", fmt, replaced,
-             "on" if kernels.load() is not None else f"off ({kernels.disabled_reason() or 'compile failed'})")
-    return model

@@ -23,12 +23,13 @@ from torch import nn
 
 from sudu.layers.attention import AttentionMetadata
 from sudu.layers.kv_cache import KVCache
-from sudu.layers.linear import FloatWeight, fuse_linears
+from sudu.layers.fuse import fuse_linears
+from sudu.layers.linear import FloatWeight
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import apply_rotary, yarn_mscale
 
 if TYPE_CHECKING:
-    from sudu.models.config import ModelConfig
+    from sudu.model_config import ModelConfig
 
 
 def _fold_heads_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ from torch import nn
 
 from sudu import kernels
 from sudu.layers import linear
-from sudu.layers.linear import QuantizedLinear, fuse_linears
+from sudu.layers.fuse import fuse_linears
+from sudu.layers.linear import QuantizedLinear
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -36,9 +37,9 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up_proj = None  # set by fuse_projections
-        # quantized gate_up and down whose prompt chunks run as bfloat16 GEMMs: gate_up's output stays in
-        # bfloat16 through silu_mul into the down projection's GEMM (the values the float32 route gives,
-        # without its float32 copies: layers/linear.py chunk_gemm)
+        # quantized gate_up and down: where prompt chunks run as bfloat16 GEMMs (--fast-math), gate_up's output
+        # stays in bfloat16 through silu_mul into the down projection's GEMM (the values the float32 route
+        # gives, without its float32 copies: layers/linear.py chunk_gemm)
         self._bf16_chunks = False
 
     def fuse_projections(self) -> None:
@@ -47,7 +48,7 @@ class GatedMLP(nn.Module):
         if fused is not None:
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
-            self._bf16_chunks = (self._silu_mul is not None and linear.PREFILL_DTYPE == torch.bfloat16
+            self._bf16_chunks = (self._silu_mul is not None
                                  and isinstance(fused, QuantizedLinear) and fused._ext is not None
                                  and isinstance(self.down_proj, QuantizedLinear) and self.down_proj._ext is not None)
 
@@ -68,7 +69,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            if self._bf16_chunks and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= linear.PREFILL_MIN_ROWS:
+            if (self._bf16_chunks and linear.PREFILL_DTYPE == torch.bfloat16 and x.dim() == 2
+                    and x.dtype == torch.float32 and x.shape[0] >= linear.PREFILL_MIN_ROWS):
                 gate_up = self.gate_up_proj.chunk_gemm(x, keep_gemm_dtype=True)
                 return self.down_proj.chunk_gemm(self._silu_mul(gate_up))
             if self._silu_mul is not None and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2:

@@ -28,7 +28,7 @@ from sudu.layers.linear import FloatWeight
 from sudu.layers.mlp import GatedMLP
 
 if TYPE_CHECKING:  # sudu.models imports the model files, which import this module
-    from sudu.models.config import ModelConfig
+    from sudu.model_config import ModelConfig
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

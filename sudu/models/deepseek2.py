@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sudu.layers.mla import LatentAttention
 from sudu.layers.moe import moe_or_dense_mlp
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.models.llama import LlamaForCausalLM
 
 

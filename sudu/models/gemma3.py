@@ -12,7 +12,7 @@ from sudu.layers.attention import AttentionMetadata, QKVProjections, paged_atten
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.models.llama import decode_view, native_linear, native_pools, native_step
 
 
@@ -92,7 +92,7 @@ class Gemma3ForCausalLM(nn.Module):
         self._native_decode = None
 
     def prepare_native_decode(self) -> None:
-        """After quantization and fusion (engine/model_runner.py prepare_network): collect the weights of
+        """After quantization and fusion (engine/network.py prepare_network): collect the weights of
         kernels/decoder.cpp's gemma_decode, which steps of few-new-token sequences then take. It applies to
         quantized fused projections whose outputs are whole tiles, the tanh-GELU MLP and float32 norms;
         otherwise every step stays on the layers below."""

@@ -13,7 +13,7 @@ from sudu.layers.mlp import GatedMLP
 from sudu.layers.moe import SparseMoE
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 
 _NO_SCALE = torch.empty(0)  # a float32 pool's place in the native stack's scale lists, an absent bias's in its weights
 
@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self._native_decode = None  # (kernels llama_decode, its weight list): set by prepare_native_decode
 
     def prepare_native_decode(self) -> None:
-        """After quantization and fusion (engine/model_runner.py prepare_network): collect the weights of
+        """After quantization and fusion (engine/network.py prepare_network): collect the weights of
         kernels/decoder.cpp's one-call decode stack, which steps of few-new-token sequences then take. It
         applies to quantized fused projections (group 32), SiLU MLPs and float32 norms; otherwise every step
         stays on the layers below."""

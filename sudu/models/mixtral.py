@@ -4,7 +4,7 @@ Qwen-MoE names this network uses (weights/safetensors.py canonical_name). Networ
 from __future__ import annotations
 
 from sudu.layers.moe import moe_or_dense_mlp
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.models.llama import LlamaForCausalLM
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from sudu.errors import SuduError
 from sudu.layers.attention import AttentionMetadata
 from sudu.layers.norm import RMSNorm
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.models.llama import LlamaForCausalLM
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from sudu.layers.moe import moe_or_dense_mlp
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.models.llama import LlamaForCausalLM
 
 

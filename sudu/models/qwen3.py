@@ -7,7 +7,7 @@ import torch
 from sudu.layers.attention import AttentionMetadata, paged_attention
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import rotate_heads_
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.models.llama import LlamaAttention, LlamaForCausalLM
 
 

@@ -14,50 +14,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from fastapi import Depends, FastAPI
 
 from sudu.errors import SuduError
+from sudu.server.api_messages import messages_routes
+from sudu.server.api_responses import responses_routes
 from sudu.server.auth import api_key_dependency
 from sudu.server.engine_protocol import ServingEngine
 from sudu.server.errors import install_error_handlers
 from sudu.server.limits import BodySizeLimit, PreparePool, ServerLimits
 from sudu.server.metrics import ServerMetrics
-from sudu.server.routes import api_routes, open_routes
+from sudu.server.routes import _admit, api_routes, open_routes
+from sudu.server.state import ServerState
 
 logger = logging.getLogger("sudu.server")
 
-LOAD_THREAD = "sudu-load-model"  # the thread loading the model (server/cli.py checks it at exit)
-
-
-@dataclass
-class ServerState:
-    engine: ServingEngine | None
-    served_model_name: str | None
-    api_key: str | None
-    shutdown_timeout_s: float
-    metrics: ServerMetrics
-    pool: PreparePool
-    load_engine: Callable[[], ServingEngine] | None = None
-    on_load_error: Callable[[BaseException], None] | None = None
-    on_engine_failure: Callable[[str], None] | None = None
-    # /health's answer once the engine is ready, where the engine has more to say than 200 `ok` (a cluster's
-    # replicas): (status code, body)
-    health: Callable[[], Awaitable[tuple[int, dict]]] | None = None
-    load_error: str | None = None
-    engine_failure: str | None = None  # why the engine cannot continue, once it cannot
-    draining: bool = False
-    drained: asyncio.Event | None = None
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    started_at: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def model_id(self) -> str:
-        return self.served_model_name or self.engine.model_name
+LOAD_THREAD = "sudu-load-model"  # the thread loading the model (commands/serve.py checks it at exit)
 
 
 def build_app(
@@ -105,6 +80,8 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes, count=state.metrics.count_error)
     app.include_router(open_routes(state))
     app.include_router(api_routes(state), dependencies=[Depends(api_key_dependency(api_key))])
+    app.include_router(messages_routes(state, _admit), dependencies=[Depends(api_key_dependency(api_key))])
+    app.include_router(responses_routes(state, _admit), dependencies=[Depends(api_key_dependency(api_key))])
     return app
 
 
@@ -183,15 +160,17 @@ async def drain(app: FastAPI) -> None:
 
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info"):
-    """A uvicorn server that, on SIGINT/SIGTERM, stops listening, then drains (in-flight requests
-    finish within the app's shutdown timeout or end with an error event), then exits normally."""
+    """A uvicorn server that, on SIGINT/SIGTERM, drains: it keeps listening but admits nothing new (503
+    with Retry-After, /health 503, so a load balancer or Kubernetes moves traffic away), lets in-flight
+    requests finish within the app's drain timeout (the rest end with an error event), then stops
+    listening and exits normally."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
+            await drain(app)
             for s in self.servers:
                 s.close()
-            await drain(app)
             await super().shutdown(sockets)
 
         @contextmanager

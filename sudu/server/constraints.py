@@ -60,3 +60,22 @@ def tool_grammar(body: P.ChatCompletionRequest, fmt: str, backend) -> str | None
     tags_are_tokens = backend is not None and backend.is_special_token(G.HERMES_OPEN) and \
         backend.is_special_token(G.HERMES_CLOSE)
     return G.tool_calls_grammar(functions, body.parallel_tool_calls and choice == "required", fmt, tags_are_tokens)
+
+
+def auto_tool_grammar(body: P.ChatCompletionRequest, fmt: str, backend) -> str | None:
+    """tool_choice "auto" (explicit or by default) with tools, on the Hermes syntax whose tags are special
+    tokens: the lazy grammar that leaves free text alone and constrains a call once its tag is written
+    (grammars.lazy_tool_calls_grammar). None where it does not apply, or where a tool's schema does not
+    compile (the request then runs unconstrained, as before: auto must not refuse what it used to take)."""
+    if not body.tools or body.tool_choice not in (None, "auto") or fmt != "hermes" or backend is None:
+        return None
+    open_id, close_id = backend.special_token_id(G.HERMES_OPEN), backend.special_token_id(G.HERMES_CLOSE)
+    if open_id is None or close_id is None:
+        return None
+    functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
+    try:
+        grammar = G.lazy_tool_calls_grammar(functions, open_id, close_id)
+        backend.check(grammar)
+    except (G.GrammarError, ValueError):
+        return None
+    return grammar

@@ -1,6 +1,8 @@
 """What the server needs from an engine, as a `typing.Protocol`: `AsyncLLMEngine` is the implementation,
 the tests' scripted fake is another. Requests are checked once (`check_request`, in a worker thread) and
-the CheckedRequest is what `generate` takes."""
+the CheckedRequest is what `generate` takes. An engine may also offer `try_admit(request_id, request,
+priority) -> engine.wait_predictor.WaitPrediction` (admission by predicted wait: server/admission.py);
+one without it admits by `is_full` alone."""
 from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
@@ -18,7 +20,8 @@ class ServingTokenizer(Protocol):
     template_source: str  # the chat template (tool-call syntax is read from it)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    max_tokens: int | None = None, tools: list[dict] | None = None) -> list[int]: ...
+                    max_tokens: int | None = None, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 

@@ -1,6 +1,7 @@
 """OpenAI-style errors: `APIError` (a status and OpenAI's `{"error": {message, type, param, code}}` body),
 the handlers that give every failure that body (validation, unknown routes, an oversized body, any
-unexpected exception), and the named errors the routes raise."""
+unexpected exception), and the named errors the routes raise. Under /v1/messages (Anthropic's Messages
+API) the same errors answer in Anthropic's shape, `{"type": "error", "error": {type, message}}`."""
 from __future__ import annotations
 
 import logging
@@ -30,6 +31,23 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        """The same error in Anthropic's shape, its type from the status as Anthropic's API reference
+        lists them (429 rate_limit_error, 503/529 overloaded_error, ...); a 429 the server gives because it is
+        overloaded (a full queue, a predicted wait over the limit), not because of the client's own rate, is
+        Anthropic's overloaded_error, with the status kept at 429 and Retry-After set."""
+        message = f"{self.param}: {self.message}" if self.param and not self.message.startswith(self.param) \
+            else self.message
+        kind = "overloaded_error" if self.code in _OVERLOAD_CODES else _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+_OVERLOAD_CODES = ("queue_full", "server_overloaded")
+ANTHROPIC_PATH = "/v1/messages"  # routes under it answer errors in Anthropic's shape
+
 
 class EngineRequestError(Exception):
     """The engine failed this one request (its RequestOutput carried an error)."""
@@ -45,7 +63,9 @@ def queue_full(what: str = "The request queue is full") -> APIError:
 
 
 def shutting_down() -> APIError:
-    return APIError(503, "The server is shutting down", type="service_unavailable", code="shutting_down")
+    # Retry-After: a load balancer's other replicas answer meanwhile; this one is draining (docs/server.md)
+    return APIError(503, "The server is shutting down", type="service_unavailable", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def engine_failed(reason: str) -> APIError:
@@ -72,29 +92,31 @@ def failed_call(exc: BaseException, draining: bool) -> APIError:
 def install_error_handlers(app: FastAPI, count: Callable[[APIError], None]) -> None:
     """Every failure answered as OpenAI's error body; count(err) sees each one (the error metric)."""
 
-    def error_response(err: APIError) -> JSONResponse:
+    def error_response(err: APIError, request: Request | None = None) -> JSONResponse:
         count(err)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        anthropic = request is not None and request.url.path.startswith(ANTHROPIC_PATH)
+        return JSONResponse(err.anthropic_body() if anthropic else err.body(), status_code=err.status,
+                            headers=err.headers)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc, request)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         # OpenAI answers 400 for every malformed body, where FastAPI would say 422
         errors = exc.errors()
         first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
             message = f"Malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            return error_response(APIError(400, message, code="invalid_json"))
+            return error_response(APIError(400, message, code="invalid_json"), request)
         param = _error_param(first.get("loc", ()))
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         if len({_error_param(e.get("loc", ())) for e in errors}) == 1 and len(errors) > 1:
             message += " (nor does the value match any other accepted form)"  # a union's alternatives
         elif len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem(s))"
-        return error_response(invalid(message, param))
+        return error_response(invalid(message, param), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -107,12 +129,13 @@ def install_error_handlers(app: FastAPI, count: Callable[[APIError], None]) -> N
             message, type_ = str(exc.detail), "invalid_request_error"
             code = "request_too_large" if exc.status_code == 413 else None
         return error_response(APIError(exc.status_code, message, type=type_, code=code,
-                                       headers=getattr(exc, "headers", None)))
+                                       headers=getattr(exc, "headers", None)), request)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(APIError(500, f"Internal server error ({type(exc).__name__})", type="server_error"))
+        return error_response(APIError(500, f"Internal server error ({type(exc).__name__})", type="server_error"),
+                              request)
 
 
 def _error_param(loc) -> str | None:

@@ -35,6 +35,18 @@ class _EngineStatsCollector(Collector):
             ("sudu:memory_kv_pool_bytes", "memory_kv_pool_bytes",
              "Bytes of the KV pools as allocated (their pages are committed as they fill)."),
             ("sudu:memory_rss_bytes", "memory_rss_bytes", "Resident set of the engine's process."),
+            ("sudu:memory_kv_resident_bytes", "memory_kv_resident_bytes",
+             "Bytes of the KV pools resident now (they commit pages as the prefix cache fills them)."),
+            ("sudu:admission_in_transit", "admission_in_transit",
+             "Requests admitted and not yet in the engine's queue (they count in the next predictions)."),
+            ("sudu:admission_promised", "admission_promised",
+             "Refused requests whose place is kept for their return after Retry-After."),
+            ("sudu:admission_prefill_seconds_per_token", "admission_prefill_s_per_token",
+             "Measured seconds per prompt token (moving average; 0 until measured)."),
+            ("sudu:admission_decode_step_seconds", "admission_decode_step_s",
+             "Measured seconds per decode step (moving average; 0 until measured)."),
+            ("sudu:admission_calibration", "admission_calibration",
+             "Actual over predicted wait of recent requests (the factor predictions are scaled by)."),
         ):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
         for name, key, doc in (
@@ -113,6 +125,16 @@ class ServerMetrics:
             "sudu:request_errors", "Requests answered with an error (a stream: an error event), by status and code.",
             ["status", "code"], registry=r,
         )
+        self.admission_admitted = Counter(
+            "sudu:admission_admitted", "Calls admitted by predicted wait (server/admission.py).", registry=r)
+        self.admission_refused = Counter(
+            "sudu:admission_refused", "Calls refused with 429: predicted wait over --max-queue-wait.", registry=r)
+        self.predicted_wait = Histogram(
+            "sudu:admission_predicted_wait_seconds", "Predicted engine wait to the first token, admitted requests.",
+            buckets=_TTFT_BUCKETS, registry=r)
+        self.actual_wait = Histogram(
+            "sudu:admission_actual_wait_seconds", "Engine arrival -> first token (the wait that was predicted).",
+            buckets=_TTFT_BUCKETS, registry=r)
         r.register(_EngineStatsCollector(get_stats))
 
     def count_error(self, err) -> None:

@@ -153,6 +153,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens when both are set.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Needs logprobs=true.")
+    chat_template_kwargs: dict | None = Field(
+        None, description="sudu extension (vLLM's name): extra variables for the chat template, e.g. "
+                          "{\"enable_thinking\": false}.")
+    enable_thinking: bool | None = Field(
+        None, description="sudu extension: the template's thinking switch (Qwen3); same as chat_template_kwargs.")
 
 
 PromptInput = Union[

@@ -16,12 +16,16 @@ from sudu.errors import RequestTooLongError, SuduError
 from sudu.sampling import SamplingParams
 from sudu.server import protocol as P
 from sudu.server.engine_protocol import ServingEngine
-from sudu.server.constraints import output_grammar, tool_grammar
+from sudu.server.constraints import auto_tool_grammar, output_grammar, tool_grammar
 from sudu.server.errors import invalid
+from sudu.server.reasoning import opens_reasoning, reasoning_template
 from sudu.structured.grammars import GrammarError
 from sudu.tools import messages as tool_messages
 from sudu.tools.parser import detect_format
 
+_PROMPT_TAIL_TOKENS = 8  # enough of a rendered prompt to see whether it ends with an open <think>
+_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                      "pad_token"})
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature is treated as 0 (logits / ~0 overflow)
 MAX_CHOICES_PER_REQUEST = 256  # prompts x n of one /v1/completions call
 
@@ -46,6 +50,10 @@ class PreparedCall:
     logprobs: int | None  # None: no logprobs; k: the sampled token's and k alternatives
     echo: list[str] | None = None  # completions with echo: each prompt's text
     tool_format: str | None = None  # chat with tools: the tool-call syntax to parse out of the answers
+    reasoning: bool = False  # chat on a template with thinking: split <think> text from the answer
+    reasoning_open: bool = False  # the rendered prompt ends inside an open <think> block (DeepSeek-R1 style)
+    # tool_choice auto: name -> parameter schema of each tool, for bare JSON calls (sudu/tools/bare_calls.py)
+    tool_schemas: dict[str, dict] | None = None
 
 
 def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> PreparedCall:
@@ -70,13 +78,18 @@ def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> Prepar
             raise invalid(f"tool_choice {_tool_choice(body)!r} already constrains the output; drop {grammar_param}",
                           grammar_param)
         grammar, grammar_param = forced, "tool_choice"
+    elif grammar is None and body.tools:
+        lazy = auto_tool_grammar(body, fmt, engine.grammar_backend)
+        if lazy is not None:
+            grammar, grammar_param = lazy, "tools"
     if grammar is not None:
         params.grammar = grammar
     if tools and not tool_messages.supports_tools(template):
         messages, tools = tool_messages.fallback_messages(messages, tools), None
+    template_kwargs = _template_kwargs(body)
     try:
         ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True, max_tokens=engine.max_model_len,
-                                           tools=tools)
+                                           tools=tools, template_kwargs=template_kwargs)
     except RequestTooLongError as exc:
         raise invalid(str(exc), "messages", code="context_length_exceeded") from exc
     except Exception as exc:  # noqa: BLE001 -- templates reject message orders with raise_exception()
@@ -85,7 +98,25 @@ def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> Prepar
         raise invalid("The rendered prompt is empty", "messages")
     jobs = _checked_jobs(engine, "chatcmpl", [ids], params, body.priority, "messages", grammar_param)
     parse_tools = bool(body.tools) and _tool_choice(body) != "none"
-    return PreparedCall(jobs, body.n, logprobs, tool_format=fmt if parse_tools else None)
+    thinking = reasoning_template(template)
+    schemas = None
+    if parse_tools and _tool_choice(body) == "auto":
+        schemas = {t.function.name: t.function.parameters or {} for t in body.tools}
+    return PreparedCall(jobs, body.n, logprobs, tool_format=fmt if parse_tools else None, reasoning=thinking,
+                        reasoning_open=thinking and opens_reasoning(engine.tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:])),
+                        tool_schemas=schemas)
+
+
+def _template_kwargs(body: P.ChatCompletionRequest) -> dict | None:
+    """chat_template_kwargs, with the top-level enable_thinking merged in; names the template call itself
+    sets are refused."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.enable_thinking is not None:
+        kwargs["enable_thinking"] = body.enable_thinking
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return kwargs or None
 
 
 def _tool_choice(body: P.ChatCompletionRequest):

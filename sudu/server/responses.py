@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from sudu.engine.outputs import RequestOutput
 from sudu.server import protocol as P
 from sudu.server import tool_output
+from sudu.server.answer_events import AnswerEvents, gather
 from sudu.server.engine_protocol import ServingEngine
 from sudu.server.errors import EngineRequestError, failed_call
 from sudu.server.generation import generate_all
@@ -112,6 +113,9 @@ class Call:
         jobs = self.jobs = prepared.jobs
         self.n, self.logprobs, self.echo = prepared.n, prepared.logprobs, prepared.echo
         self.tool_format = prepared.tool_format
+        self.reasoning, self.reasoning_open = prepared.reasoning, prepared.reasoning_open
+        self.tool_schemas = prepared.tool_schemas
+        self.reasoning_tokens = [0] * (len(jobs) * self.n)
         self.model = model
         self.id = jobs[0].request_id.rsplit("-", 1)[0] if len(jobs) > 1 else jobs[0].request_id
         self.object = object_
@@ -145,6 +149,8 @@ class Call:
             if self._first_token_at[job_index] is None:
                 self._first_token_at[job_index] = now
                 self.metrics.time_to_first_token.observe(now - self.received_at)
+                if out.metrics.first_token_time is not None:
+                    self.metrics.actual_wait.observe(out.metrics.first_token_time - out.metrics.arrival_time)
             else:
                 self.metrics.inter_token_latency.observe(now - self._last_token_at[job_index])
             self._last_token_at[job_index] = now
@@ -156,7 +162,10 @@ class Call:
         return now
 
     def usage(self) -> dict:
-        return usage_body(sum(len(j.prompt_ids) for j in self.jobs), sum(self.num_tokens), sum(self.num_cached))
+        usage = usage_body(sum(len(j.prompt_ids) for j in self.jobs), sum(self.num_tokens), sum(self.num_cached))
+        if self.reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(self.reasoning_tokens)}
+        return usage
 
     def timing(self) -> dict:
         return _merge_timings([t or {**dict.fromkeys(_PHASES, 0.0), "cached_tokens": c}
@@ -173,12 +182,14 @@ class Call:
     async def _collect(self) -> tuple[list[list[str]], list[list]]:
         texts: list[list[str]] = [[] for _ in self.num_tokens]
         logprob_entries: list[list] = [[] for _ in self.num_tokens]
+        self.piece_tokens: list[list[int]] = [[] for _ in self.num_tokens]  # tokens behind each text piece
         async with aclosing(generate_all(self.engine, self.jobs)) as outputs:
             async for job_index, out in outputs:
                 self.observe(job_index, out)
                 for c in out.outputs:
                     idx = job_index * self.n + c.index
                     texts[idx].append(c.text)
+                    self.piece_tokens[idx].append(len(c.token_ids))
                     if c.logprobs:
                         logprob_entries[idx].extend(c.logprobs)
                 if out.error is not None:
@@ -199,8 +210,15 @@ class Call:
         choices = []
         for i in range(len(texts)):
             text, reason = "".join(texts[i]), self.finish_reasons[i]
-            if self.tool_format is not None:
-                message, called = tool_output.message(text, self.tool_format)
+            if self.reasoning:
+                events = AnswerEvents(self.tool_format, True, self.reasoning_open, self.tool_schemas)
+                gathered = [e for piece, n in zip(texts[i], self.piece_tokens[i]) if piece
+                            for e in events.feed(piece, n)]
+                message = tool_output.answer_message(gather(gathered + events.finish(), events.reasoning_seen))
+                self.reasoning_tokens[i] = events.reasoning_tokens
+                reason = tool_output.finish_reason(reason, events.called)
+            elif self.tool_format is not None:
+                message, called = tool_output.message(text, self.tool_format, self.tool_schemas)
                 reason = tool_output.finish_reason(reason, called)
             else:
                 message = {"role": "assistant", "content": text}
@@ -227,16 +245,20 @@ class Call:
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
 
-        tools = [tool_output.ChoiceStream(self.tool_format) for _ in self.num_tokens] if self.tool_format else None
+        tools = None
+        if self.tool_format or self.reasoning:
+            tools = [tool_output.ChoiceStream(self.tool_format, self.reasoning, self.reasoning_open, self.tool_schemas)
+                     for _ in self.num_tokens]
 
-        def choices(idx, text, logprobs, finish_reason):
+        def choices(idx, text, logprobs, finish_reason, num_tokens=0):
             rendered = None
             if logprobs is not None:
                 rendered = {"content": _chat_logprobs(logprobs)}
             if tools is None:
                 return [{"index": idx, "delta": {"content": text} if text is not None else {}, "logprobs": rendered,
                          "finish_reason": finish_reason}]
-            deltas, finish_reason = tools[idx].render(text, finish_reason)
+            deltas, finish_reason = tools[idx].render(text, finish_reason, num_tokens)
+            self.reasoning_tokens[idx] = tools[idx].reasoning_tokens
             if rendered is not None and not deltas:
                 deltas = [{}]
             out = [{"index": idx, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
@@ -256,7 +278,7 @@ class Call:
                 offsets[i].offset = len(prefix)
                 yield self._chunk([{"index": i, "text": prefix, "logprobs": None, "finish_reason": None}])
 
-        def choices(idx, text, logprobs, finish_reason):
+        def choices(idx, text, logprobs, finish_reason, num_tokens=0):
             rendered = offsets[idx].render(logprobs) if logprobs is not None else None
             return [{"index": idx, "text": text or "", "logprobs": rendered, "finish_reason": finish_reason}]
 
@@ -276,7 +298,8 @@ class Call:
                     for c in out.outputs:
                         idx = job_index * self.n + c.index
                         if c.text or (want_logprobs and c.logprobs):
-                            for rendered in choices(idx, c.text, (c.logprobs or []) if want_logprobs else None, None):
+                            for rendered in choices(idx, c.text, (c.logprobs or []) if want_logprobs else None, None,
+                                                    len(c.token_ids)):
                                 chunk = [rendered]
                                 yield self._chunk(chunk, usage=self.usage()) if running_usage else self._chunk(chunk)
                         if c.finish_reason is not None and out.error is None:

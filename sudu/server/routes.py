@@ -5,21 +5,25 @@ stream or a single body."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sudu.server import protocol as P
-from sudu.server.errors import RETRY_AFTER_S, APIError, engine_failed, queue_full, shutting_down
+from sudu.server.admission import admit_by_wait
+from sudu.server.errors import (
+    RETRY_AFTER_S,
+    APIError,
+    engine_failed,
+    queue_full,
+    shutting_down,
+)
 from sudu.server.limits import PoolFull
 from sudu.server.requests import PreparedCall, prepare_chat, prepare_completion
 from sudu.server.responses import Call
+from sudu.server.state import ServerState
 from sudu.server.streaming import sse, unless_disconnected
-
-if TYPE_CHECKING:
-    from sudu.server.app import ServerState
 
 _ERROR_RESPONSES = {status: {"model": P.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
@@ -74,6 +78,10 @@ async def _admit(state: ServerState, body, prepare) -> tuple[PreparedCall, str]:
         raise queue_full("The server's request-preparation queue is full") from None
     if engine.is_full():  # it may have filled while this request was prepared
         raise queue_full()
+    try:
+        await state.pool.run(admit_by_wait, engine, state.metrics, prepared)
+    except PoolFull:
+        raise queue_full("The server's request-preparation queue is full") from None
     return prepared, model
 
 

@@ -53,6 +53,10 @@ class GrammarBackend:
         token_id = self._tokenizer.token_to_id(text)
         return token_id is not None and self.ll_tokenizer.is_special_token(token_id)
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of `text` where it is one special token to the grammar engine, else None."""
+        return self._tokenizer.token_to_id(text) if self.is_special_token(text) else None
+
     def check(self, grammar: str) -> None:
         """Raise GrammarError unless `grammar` compiles and accepts at least one text."""
         self._start_matcher(grammar)

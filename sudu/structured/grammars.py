@@ -94,3 +94,20 @@ def tool_calls_grammar(functions: list[dict], parallel: bool, fmt: str = "hermes
         separator = '"\\n" '
     calls = f"call ({separator}call)*" if parallel else "call"
     return llguidance.LLMatcher.grammar_from_lark(f"start: {calls}\ncall: {call}\n")
+
+
+def lazy_tool_calls_grammar(functions: list[dict], open_token_id: int, close_token_id: int) -> str:
+    """tool_choice "auto" on a model whose tool-call tags are single special tokens (Qwen 2.5's `<tool_call>`
+    and `</tool_call>`): free text, any token but the opening tag, and from the moment the model writes the
+    opening tag, a call of one of `functions` under its parameter schema, the closing tag, and free text
+    again (any number of calls). Free text is not constrained at all (every token but the tag is allowed),
+    so an answer without a call is exactly what the model would write without the grammar; a call's
+    arguments always parse."""
+    if not functions:
+        raise GrammarError("no tools to call")
+    schemas = [tool_call_schema(f) for f in functions]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return llguidance.LLMatcher.grammar_from_lark(
+        f'start: free (<[{open_token_id}]> "\\n" {body} "\\n" <[{close_token_id}]> free)*\n'
+        f"free: <[^{open_token_id}]>*\n")

@@ -4,7 +4,7 @@
   step and carries a grammar, the rows of allowed tokens (one per logit row: the last token's, and one
   after each draft token, the draft consumed and rolled back) are computed by a worker thread while the
   forward pass runs, where the forward pass leaves a core free for it. Where it uses every core (torch's
-  threads = the CPUs, as on sudu's 2-core CI machines), a thread beside it only preempts one of its
+  threads = the CPUs), a thread beside it only preempts one of its
   threads and the whole pass waits for that one, so the masks are computed right after the pass
   instead. `apply_masks` then sets every disallowed logit to -inf before sampling or draft verification.
   Unconstrained rows are untouched, so constrained and free requests share a batch.

@@ -2,8 +2,8 @@
 
 Reading: a small parser here reads the header, metadata and tensor table with `struct` and maps the
 tensor data with numpy (nothing is copied until a tensor is dequantized). `gguf.GGUFReader` does the
-same but builds a numpy view per array element, which takes 5-15 s on a 262k-token vocabulary -- at
-every start; this parser takes a fraction of a second. The `gguf` package still provides the type
+same but builds a numpy view per array element, which takes seconds on a 262k-token vocabulary -- at
+every start; this parser reads only what it needs (docs/cpu_speed.md, "Figures from code comments"). The `gguf` package still provides the type
 tables and the k-quant dequantizers, and tests check this parser against `GGUFReader`. Every tensor is kept as a `QuantizedTensor` (its original blocks, a view into the
 file) so later CPU work can repack the quantized weights without reading the file again.
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sudu.errors import SuduError
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # What sudu dequantizes; the first group is what the catalog models contain.

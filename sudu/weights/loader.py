@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 from sudu.tokenizer import Tokenizer
 from sudu.weights import gguf as gguf_weights
 from sudu.weights import safetensors as st_weights

@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 
 from sudu.errors import SuduError
-from sudu.models.config import ModelConfig
+from sudu.model_config import ModelConfig
 
 
 def read_config(path: str | Path) -> ModelConfig:

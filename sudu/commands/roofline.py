@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from sudu.layers.linear import GROUP_SIZE
+from sudu.quant.formats import GROUP_SIZE
 
 # weight format -> (engine settings, bytes per linear weight, bytes per other parameter)
 FORMATS = {
@@ -40,8 +40,8 @@ def measure_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 7, threads: 
                           huge_pages: bool = True) -> float:
     """Read bandwidth in GB/s: median over `repeats` timed sums of a `size_bytes` float32 tensor, by default
     held in the kind of pages the engine keeps its weights in (huge pages where the OS gives them:
-    engine/huge_pages.py), since that is the ceiling the weights' stream has; huge_pages=False: 4 KiB pages."""
-    from sudu.engine.huge_pages import huge_page_buffer, huge_page_size
+    host/huge_pages.py), since that is the ceiling the weights' stream has; huge_pages=False: 4 KiB pages."""
+    from sudu.host.huge_pages import huge_page_buffer, huge_page_size
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -24,9 +24,15 @@ import dataclasses
 import torch
 
 from sudu.engine.block_manager import BlockManager
+from sudu.engine.model_runner import ModelRunner, kv_bytes_per_token
+from sudu.engine.network import quantize_model
+from sudu.engine.placement import resolve_dtype
 from sudu.engine.scheduler import ScheduledSeq
 from sudu.engine.sequence import Sequence
+from sudu.engine.spec.verify import Draft, target_distribution
+from sudu.quant.formats import FORMATS
 from sudu.layers.sampler import SamplingRow, argmax_rows
+from sudu.models.mtp import load_mtp_network
 
 
 def _one_layer(cfg):
@@ -39,11 +45,6 @@ class MTPDrafter:
     wants_hidden = True  # the engine hands it the target's hidden states after each forward pass
 
     def __init__(self, ckpt, engine):
-        from sudu.engine.model_runner import ModelRunner, kv_bytes_per_token
-        from sudu.engine.placement import resolve_dtype
-        from sudu.layers.linear import FORMATS, quantize_model
-        from sudu.models.mtp import load_mtp_network
-
         config = engine.config
         dtype = resolve_dtype(config)
         net = load_mtp_network(ckpt, engine.runner.model, dtype)
@@ -155,16 +156,12 @@ class MTPDrafter:
     def _pick(self, seq: Sequence, logits: torch.Tensor, drafted: list[int], probs: list) -> int:
         if seq.params.greedy:
             return int(argmax_rows(logits[None])[0])
-        from sudu.engine.speculative import target_distribution
-
         row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafted, None)
         q = target_distribution(logits, row)
         probs.append(q)
         return int(torch.multinomial(q, 1, generator=self.generator))
 
     def propose(self, seqs: list[Sequence], ks: list[int]):
-        from sudu.engine.speculative import Draft
-
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         wanted = [i for i, k in enumerate(ks) if k > 0]

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from sudu.host.memory import release_freed_memory
+
 THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 MIN_BYTES = 64 << 10  # smaller storages (norms, biases) stay where they are: a few lines each, in cache
 ALIGN = 4096
@@ -70,7 +72,6 @@ def storage_holders(model: torch.nn.Module, min_bytes: int) -> dict[int, tuple[t
 def move_to_huge_pages(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> tuple[int, torch.Tensor | None]:
     """Move the network's large CPU storages into one huge-page mapping. Returns (bytes moved, the mapping's
     tensor, or None where nothing moved)."""
-    from sudu.engine.memory import release_freed_memory
 
     page = huge_page_size()
     if page is None:

@@ -26,11 +26,14 @@ def register_cli(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes (default: $SUDU_API_KEY, else open)")
     p.add_argument("--max-queue-len", type=int, default=256,
-                   help="requests queued in the engine before new ones get 429 + Retry-After (default: 256)")
+                   help="requests queued in the engine before new ones get 429 + Retry-After (default: 256); "
+                   "--max-queue-wait bounds the queue by predicted wait as well")
     p.add_argument("--served-model-name", default=None,
                    help="model id announced on /v1/models and expected in requests (default: the model's name)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are failed "
+    p.add_argument("--drain-timeout", "--shutdown-timeout", dest="shutdown_timeout", metavar="SECONDS", type=float,
+                   default=30.0,
+                   help="on SIGINT/SIGTERM the server stops admitting (503 + Retry-After, /health 503) and gives "
+                   "in-flight requests this many seconds to finish before they are failed; then it exits 0 "
                    "(default: 30)")
     p.add_argument("--engine-stall-timeout", type=float, default=300.0,
                    help="seconds one engine step may take before the engine counts as failed (503, exit 1; "
@@ -42,6 +45,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--prepare-queue", type=int, default=ServerLimits.prepare_queue,
                    help="requests waiting for such a thread before new ones get 429 (default: 64)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--record-trace", default=None, metavar="FILE",
+                   help="write a trace of the traffic for `sudu bench replay`: per request its arrival, lengths and "
+                   "block hash ids (no text); sessions inferred from shared prefixes (docs/bench.md)")
+    p.add_argument("--record-text", action="store_true", help="with --record-trace: also write each rendered prompt")
     add_engine_args(p)
     from sudu.cluster.serve import add_cluster_args  # imports no Ray: that happens when --replicas runs
 
@@ -61,6 +68,13 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, **overrides)
     if args.max_queue_len < 1:
         raise ValueError("--max-queue-len must be >= 1")
+    if args.record_text and not args.record_trace:
+        raise ValueError("--record-text needs --record-trace FILE")
+    if args.record_trace:
+        try:
+            open(args.record_trace, "a").close()
+        except OSError as exc:
+            raise ValueError(f"cannot write --record-trace {args.record_trace}: {exc.strerror}") from None
     api_key = args.api_key or os.environ.get("SUDU_API_KEY") or None
     load_failure: list[BaseException] = []
     cluster = None
@@ -73,9 +87,16 @@ def run_serve(args: argparse.Namespace) -> int:
         from sudu.engine.async_engine import AsyncLLMEngine
 
         if cluster is not None:
-            return cluster.load()
+            return record(cluster.load())
 
-        return AsyncLLMEngine(config, max_queue_len=args.max_queue_len, stall_timeout_s=args.engine_stall_timeout)
+        return record(AsyncLLMEngine(config, max_queue_len=args.max_queue_len, stall_timeout_s=args.engine_stall_timeout))
+
+    def record(engine):
+        if not args.record_trace:
+            return engine
+        from sudu.server.trace_recorder import TraceRecorder
+
+        return TraceRecorder(engine, args.record_trace, record_text=args.record_text)
 
     def on_load_error(exc: BaseException) -> None:
         load_failure.append(exc)

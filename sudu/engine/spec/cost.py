@@ -81,11 +81,9 @@ class Acceptance:
 
 # A draft token is verified only when its expected gain is this many times its row's measured cost. The
 # linear fit prices a row, not what comes with verifying at all (a sequence's verification bookkeeping, its
-# k + 1 logit rows through the sampler), and at 4 streams free text with 40-50% acceptance, which the fit
-# priced a few percent ahead, ran 5-8% behind plain decoding (docs/benchmarks.md, "n-gram on by default").
-# Copying drafts (90%+ accepted) clear the factor at every batch size the controller drafts at. Charging
-# the factor only to the share of rows expected to be rejected (1 + 2 (1 - alpha)) won back copying at 4
-# streams but ran free text there at 0.92-0.96x, so the factor stays flat.
+# k + 1 logit rows through the sampler), so drafts the fit prices barely ahead lose to plain decoding;
+# drafts that copy text (mostly accepted) clear the factor. Flat, not scaled by the expected rejections:
+# the alternatives and their runs are in docs/benchmarks.md, "n-gram on by default".
 PAYBACK = 2.0
 
 

@@ -1,0 +1,85 @@
+"""The price of exactness: decode, 512-token prompt and 32-stream throughput of engines built side by side in
+one process, measured in alternating rounds (docs/exactness.md has the figures).
+
+    flock /tmp/sudu-bench.lock python -m benchmarks.invariance_cost                  # default vs --fast-math
+    flock /tmp/sudu-bench.lock python -m benchmarks.invariance_cost --modes default  # one engine (to compare
+                                                                                     # two source trees run by turns)
+Every prompt is salted (cold: nothing cached), greedy, ignore_eos, n-gram speculation off so that decode
+speed is the model's. Prints per mode the median of the rounds and, with two modes, each ratio to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from sudu.engine.llm import LLM
+from sudu.sampling import SamplingParams
+
+WORDS = ("cache block token prompt kernel thread memory vector model batch stream layer tile query key value "
+         "server client request answer").split()
+
+
+def salted_prompt(tok, n: int, rng: random.Random) -> list[int]:
+    ids = tok.encode(" ".join(rng.choice(WORDS) for _ in range(n)))
+    while len(ids) < n:
+        ids += ids
+    return ids[:n]
+
+
+def round_of(llm: LLM, rng: random.Random) -> dict[str, float]:
+    tok = llm.tokenizer
+    out = {}
+    p = salted_prompt(tok, 16, rng)
+    r = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0]
+    out["decode_tok_per_s"] = (len(r.token_ids) - 1) / r.metrics.decode_s
+    p = salted_prompt(tok, 512, rng)
+    t = time.perf_counter()
+    llm.generate([p], SamplingParams(temperature=0.0, max_tokens=1))
+    out["prompt512_tok_per_s"] = 512 / (time.perf_counter() - t)
+    ps = [salted_prompt(tok, 48, rng) for _ in range(32)]
+    t = time.perf_counter()
+    rs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    out["streams32_tok_per_s"] = sum(len(r.token_ids) for r in rs) / (time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--modes", default="default,fast", help="default (invariant) and/or fast (--fast-math)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="one JSON line per mode instead of the table")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    common = dict(progress=False, speculative="none", enable_prefix_caching=False, num_threads=args.threads)
+    if args.model:
+        common["model"] = args.model
+    engines = {m: LLM(**common, **({"fast_math": True} if m == "fast" else {})) for m in modes}
+    rng = random.Random(0)
+    for llm in engines.values():  # warm-up
+        round_of(llm, rng)
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for i in range(args.rounds):
+        for m in (modes if i % 2 == 0 else modes[::-1]):
+            results[m].append(round_of(engines[m], rng))
+            print(f"round {i + 1} {m}: " + ", ".join(f"{k} {v:.1f}" for k, v in results[m][-1].items()), flush=True)
+    medians = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
+    if args.json:
+        for m, v in medians.items():
+            print(json.dumps({"mode": m, **v}))
+        return
+    first = modes[0]
+    print(f"\nmedian of {args.rounds} rounds (tok/s)" + ("; ratio to " + first if len(modes) > 1 else ""))
+    for k in medians[first]:
+        line = f"  {k:22s} " + "  ".join(f"{m} {medians[m][k]:8.1f}" for m in modes)
+        for m in modes[1:]:
+            line += f"  {m}/{first} {medians[m][k] / medians[first][k]:.3f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Random GGUF blocks for the native kernels' tests, and the instruction sets this CPU can run them on."""
+import numpy as np
+
+from sudu import kernels
+from sudu.weights.gguf import QuantizedTensor
+
+
+
+
+# bytes per block and the offsets of its float16 fields (d, and dmin / m)
+BLOCKS = {"Q8_0": (32, 34, [0]), "Q4_0": (32, 18, [0]), "Q4_1": (32, 20, [0, 2]), "Q5_0": (32, 22, [0]),
+          "Q4_K": (256, 144, [0, 2]), "Q5_K": (256, 176, [0, 2]), "Q6_K": (256, 210, [208])}
+
+
+def random_tensor(ggml_type: str, n: int, k: int, seed: int = 0, permute: bool = False) -> QuantizedTensor:
+    """A GGUF tensor of random blocks: every bit pattern is a valid block once its float16 fields are finite."""
+    per, size, f16_at = BLOCKS[ggml_type]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    for at in f16_at:
+        scale = rng.uniform(0.2, 1.0, size=(n, k // per)) * (0.01 if ggml_type.endswith("_K") else 0.05)
+        sign = 1 if at == 0 or ggml_type != "Q4_1" else -1
+        blocks[:, :, at:at + 2] = (sign * scale).astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
+    perm = rng.permutation(n) if permute else None
+    return QuantizedTensor("w", "w", ggml_type, (n, k), blocks.reshape(n, -1), row_permutation=perm)
+
+
+def isas() -> list[str]:
+    """The kernels' instruction sets to test here: AVX2 always, and the AVX-512 VNNI path where the CPU has it
+    (none without the kernels: their tests skip)."""
+    ext = kernels.load()
+    if ext is None:
+        return []
+    return ["avx2", "native"] if ext.set_isa("native") == "avx512vnni" else ["avx2"]
