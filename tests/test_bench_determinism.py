@@ -88,7 +88,11 @@ def test_cache_dependence_without_logprobs_gives_the_character_place(tmp_path):
         words = re.findall(r" \S+", ref["text"])
         assert d["kind"] == "text" and d["token_index"] is None  # the fake model has no tokenizer to recount with
         c = d["char_index"]  # the first different character: in the word the toy changed first
-        assert len("".join(words[:DIVERGE_AT])) <= c < len("".join(words[:DIVERGE_AT + 1]))
+        assert len("".join(words[:DIVERGE_AT])) <= c
+        if r["condition"] != "prefix":
+            # against the unperturbed reference the changed word always differs; the prefix run's twin is itself
+            # perturbed (another cached length), and two perturbed variants may pick the same word there
+            assert c < len("".join(words[:DIVERGE_AT + 1]))
         assert r["text"][:c] == ref["text"][:c] and r["text"][c] != ref["text"][c]
 
 

@@ -215,15 +215,6 @@ def test_quantized_tiny_model_logits_stay_close(tiny_model_dirs, fmt, tol):
             assert row.max().item() - row[lp.token_id].item() < tol
 
 
-def test_failed_compile_falls_back_with_one_warning(tmp_path, monkeypatch):
-    broken = tmp_path / "quant_linear.cpp"
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(kernels, "_SOURCES", [broken])
-    monkeypatch.setenv("SUDU_HOME", str(tmp_path / "home"))
-    with pytest.warns(UserWarning, match="native quantized kernels unavailable"):
-        assert kernels._compile() is None
-
-
 def test_auto_format_quantizes_quantized_checkpoints_only(tiny_model_dirs):
     """--quantization auto: native (the file's own blocks) for a checkpoint whose linear weights come quantized (GGUF k-quants),
     float for a float checkpoint (safetensors)."""
