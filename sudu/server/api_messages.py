@@ -424,7 +424,7 @@ def messages_routes(state, admit) -> APIRouter:
     @router.post("/messages/count_tokens", operation_id="count_message_tokens", tags=["anthropic"],
                  summary="The prompt tokens a Messages request would take", responses=_ERRORS)
     async def count_tokens(body: CountTokensRequest):
-        count, _ = await admit(state, to_chat_request(body), _count)
+        count, _ = await admit(state, to_chat_request(body), _count, generates=False)
         return {"input_tokens": count}
 
     return router

@@ -66,8 +66,9 @@ def _check_model(state: ServerState, requested: str | None) -> str:
     return served
 
 
-async def _admit(state: ServerState, body, prepare) -> tuple[PreparedCall, str]:
-    """Checks that cost nothing first; then the request is prepared off the event loop."""
+async def _admit(state: ServerState, body, prepare, generates: bool = True) -> tuple[PreparedCall, str]:
+    """Checks that cost nothing first; then the request is prepared off the event loop, and, for a request that
+    generates (not a token count), admitted by its predicted wait."""
     engine = ready_engine(state)
     model = _check_model(state, body.model)
     if engine.is_full():
@@ -78,6 +79,8 @@ async def _admit(state: ServerState, body, prepare) -> tuple[PreparedCall, str]:
         raise queue_full("The server's request-preparation queue is full") from None
     if engine.is_full():  # it may have filled while this request was prepared
         raise queue_full()
+    if not generates:
+        return prepared, model
     try:
         await state.pool.run(admit_by_wait, engine, state.metrics, prepared)
     except PoolFull:
