@@ -13,9 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from sudu.config import EngineConfig
 from sudu.server.app import build_app
-from tests.helpers.live_server import LiveServer, assert_openai_error
+from tests.helpers.live_server import LiveServer, assert_openai_error, tiny_engine_server
 
 MODEL = "tiny"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -30,12 +29,7 @@ MESSAGES_EVENTS = {"message_start", "ping", "content_block_start", "content_bloc
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dirs):
-    from sudu.engine.async_engine import AsyncLLMEngine
-
-    config = EngineConfig(model=str(tiny_model_dirs["qwen2"]), max_model_len=2048, max_num_seqs=16,
-                          kv_cache_memory=16 << 20)
-    engine = AsyncLLMEngine(config, max_queue_len=64)
-    with LiveServer(build_app(engine, served_model_name=MODEL)) as server:
+    with tiny_engine_server(tiny_model_dirs["qwen2"], MODEL) as server:
         yield server
 
 

@@ -3,6 +3,7 @@ process (`sudu serve` with a patch applied first), and the checks every API test
 error shape, SSE events, a streamed chat collected."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -103,3 +104,16 @@ def start_patched_sudu_serve(model_dir, port: int, patch: str) -> subprocess.Pop
     )
     return subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.getcwd()),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@contextlib.contextmanager
+def tiny_engine_server(model_dir, served_model_name: str):
+    """`sudu serve`'s app on a real engine over a tiny model, in this process (the agents' tests share it)."""
+    from sudu.config import EngineConfig
+    from sudu.engine.async_engine import AsyncLLMEngine
+    from sudu.server.app import build_app
+
+    config = EngineConfig(model=str(model_dir), max_model_len=2048, max_num_seqs=16, kv_cache_memory=16 << 20)
+    engine = AsyncLLMEngine(config, max_queue_len=64)
+    with LiveServer(build_app(engine, served_model_name=served_model_name)) as server:
+        yield server
