@@ -12,11 +12,21 @@ Events: `Reasoning(text)`, and the parser's `ContentDelta(text)`, `ToolCallStart
 arrived while the reasoning block was open (the opening and closing tags' pieces included)."""
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass, replace
+from typing import AsyncIterator
 
+from sudu.server.errors import EngineRequestError
+from sudu.server.generation import generate_all
 from sudu.server.reasoning import REASONING, ReasoningSplitter
 from sudu.tools.bare_calls import BareCallStream
-from sudu.tools.parser import HERMES, ContentDelta, ToolCallArgsDelta, ToolCallStart, ToolCallStreamParser
+from sudu.tools.parser import (
+    HERMES,
+    ContentDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+    ToolCallStreamParser,
+)
 
 
 @dataclass(frozen=True)
@@ -117,3 +127,20 @@ def gather(events: list, reasoning_seen: bool) -> Answer:
     text = "".join(content)
     return Answer("".join(reasoning) if reasoning_seen or reasoning else None, text or None,
                   [calls[i] for i in sorted(calls)])
+
+
+async def answer_steps(call, answer: AnswerEvents) -> AsyncIterator[tuple[list, object]]:
+    """A call's engine outputs as typed answer events: (events, choice output) per choice output, the answer's
+    closing events after its last token; the call's accounting observed on the way, an engine error raised. The
+    Messages and Responses APIs render these events each in their own shape."""
+    async with aclosing(generate_all(call.engine, call.jobs)) as outputs:
+        async for job_index, out in outputs:
+            call.observe(job_index, out)
+            for c in out.outputs:
+                events = answer.feed(c.text, len(c.token_ids)) if c.text else []
+                if c.finish_reason is not None:
+                    events = events + answer.finish()
+                yield events, c
+            if out.error is not None:
+                raise EngineRequestError(out.error)
+

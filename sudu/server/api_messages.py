@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from contextlib import aclosing
 from typing import Annotated, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
@@ -27,9 +26,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sudu.server import protocol as P
-from sudu.server.answer_events import AnswerEvents, ContentDelta, Reasoning, ToolCallArgsDelta, ToolCallStart
-from sudu.server.errors import EngineRequestError, failed_call, invalid
-from sudu.server.generation import generate_all
+from sudu.server.answer_events import (
+    AnswerEvents,
+    ContentDelta,
+    Reasoning,
+    ToolCallArgsDelta,
+    ToolCallStart,
+    answer_steps,
+)
+from sudu.server.errors import failed_call, invalid
 from sudu.server.requests import prepare_chat
 from sudu.server.responses import Call
 from sudu.server.streaming import sse, unless_disconnected
@@ -355,19 +360,13 @@ class MessageCall:
 
     async def _events(self) -> AsyncIterator[list[dict]]:
         """Anthropic's content-block events, step by step, then the closing ones."""
-        call = self.call
-        async with aclosing(generate_all(call.engine, call.jobs)) as outputs:
-            async for job_index, out in outputs:
-                call.observe(job_index, out)
-                for c in out.outputs:
-                    events = self.blocks.events(self.answer.feed(c.text, len(c.token_ids))) if c.text else []
-                    if c.finish_reason is not None:
-                        self.stop_reason = c.stop_reason
-                        events += self.blocks.events(self.answer.finish()) + self.blocks.close()
-                    if events:
-                        yield events
-                if out.error is not None:
-                    raise EngineRequestError(out.error)
+        async for typed, c in answer_steps(self.call, self.answer):
+            events = self.blocks.events(typed)
+            if c.finish_reason is not None:
+                self.stop_reason = c.stop_reason
+                events += self.blocks.close()
+            if events:
+                yield events
 
     def _message(self, content: list[dict]) -> dict:
         stop_reason, stop_sequence = _stop(self.call, self.body.stop_sequences, self.stop_reason, self.answer.called)

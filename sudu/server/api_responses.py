@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from contextlib import aclosing
 from typing import Annotated, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
@@ -28,9 +27,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sudu.server import protocol as P
-from sudu.server.answer_events import AnswerEvents, ContentDelta, Reasoning, ToolCallArgsDelta, ToolCallStart
-from sudu.server.errors import APIError, EngineRequestError, failed_call, invalid
-from sudu.server.generation import generate_all
+from sudu.server.answer_events import (
+    AnswerEvents,
+    ContentDelta,
+    Reasoning,
+    ToolCallArgsDelta,
+    ToolCallStart,
+    answer_steps,
+)
+from sudu.server.errors import APIError, failed_call, invalid
 from sudu.server.requests import prepare_chat
 from sudu.server.response_store import ResponseStore
 from sudu.server.responses import Call
@@ -335,18 +340,12 @@ class ResponseCall:
         self._sequence = 0
 
     async def _events(self) -> AsyncIterator[list[dict]]:
-        call = self.call
-        async with aclosing(generate_all(call.engine, call.jobs)) as outputs:
-            async for job_index, out in outputs:
-                call.observe(job_index, out)
-                for c in out.outputs:
-                    events = self.items.events(self.answer.feed(c.text, len(c.token_ids))) if c.text else []
-                    if c.finish_reason is not None:
-                        events += self.items.events(self.answer.finish()) + self.items.close()
-                    if events:
-                        yield events
-                if out.error is not None:
-                    raise EngineRequestError(out.error)
+        async for typed, c in answer_steps(self.call, self.answer):
+            events = self.items.events(typed)
+            if c.finish_reason is not None:
+                events += self.items.close()
+            if events:
+                yield events
 
     def _usage(self) -> dict:
         call = self.call
