@@ -99,13 +99,20 @@ def _error_text(err) -> str:
     return err.get("message", str(err)) if isinstance(err, dict) else str(err)
 
 
-def parse_chat(chunk: dict) -> Parsed:
+def _openai_chunk(chunk: dict) -> Parsed:
+    """An OpenAI-style stream chunk's error or usage (both chat and text completions carry them this way)."""
     p = Parsed()
     if "error" in chunk and not chunk.get("choices"):
         p.error = "stream error: " + _error_text(chunk["error"])
-        return p
-    if chunk.get("usage"):
+    elif chunk.get("usage"):
         p.usage = chunk["usage"]
+    return p
+
+
+def parse_chat(chunk: dict) -> Parsed:
+    p = _openai_chunk(chunk)
+    if p.error:
+        return p
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta") or {}
         reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
@@ -121,12 +128,9 @@ def parse_chat(chunk: dict) -> Parsed:
 
 
 def parse_completions(chunk: dict) -> Parsed:
-    p = Parsed()
-    if "error" in chunk and not chunk.get("choices"):
-        p.error = "stream error: " + _error_text(chunk["error"])
+    p = _openai_chunk(chunk)
+    if p.error:
         return p
-    if chunk.get("usage"):
-        p.usage = chunk["usage"]
     for choice in chunk.get("choices") or ():
         if choice.get("text"):
             p.pieces.append(("answer", choice["text"]))
