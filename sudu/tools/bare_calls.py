@@ -32,13 +32,11 @@ def _call(text: str, end: int, tools: dict[str, dict]) -> ToolCall | None:
 
 
 def leading_call(text: str, tools: dict[str, dict]) -> tuple[ToolCall | None, str]:
-    """(the bare call the text begins with, the text after it), or (None, text)."""
-    scanner = _ObjectScanner(0)
-    scanner.scan(text)
-    if scanner.end is None:
-        return None, text
-    call = _call(text, scanner.end, tools)
-    return (call, text[scanner.end:]) if call is not None else (None, text)
+    """(the bare call the text begins with, the text after it), or (None, text): `BareCallStream` run over the
+    whole text, so the whole and the streamed rule are one."""
+    stream = BareCallStream(tools)
+    decided = stream.feed(text)
+    return decided if decided is not None else (None, stream.finish())
 
 
 class BareCallStream:

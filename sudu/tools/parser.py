@@ -1,4 +1,5 @@
-"""Tool calls out of generated text: whole (`parse_tool_calls`) and streaming (`ToolCallStreamParser`).
+"""Tool calls out of generated text: streaming (`ToolCallStreamParser`), and whole (`parse_tool_calls`), which
+is the streaming parser run over the whole text, so the two share one grammar and cannot drift.
 
 Two syntaxes, chosen by `fmt` (`detect_format` picks one from a chat template):
 
@@ -29,8 +30,9 @@ Streaming events and their guarantees, for text that parses the same way whole:
   counts calls from 0.
 - `ToolCallArgsDelta(index, text)`: arguments text as it arrives; the concatenation for one call
   equals that call's `arguments` in the whole parse.
-A block that turns out malformed before its call was announced comes out as content, as in the whole
-parse. One that turns out malformed after (say `{"name": "f", "arguments": [1]}`) cannot take back
+A block is announced only when the text at hand does not already show it malformed, so a block that
+turns out malformed before its call was announced comes out as content, as in the whole parse. One that
+turns out malformed after (say `{"name": "f", "arguments": [1]}`) cannot take back
 its announcement: the call stays, and the block's text not yet sent as arguments becomes content;
 this is the one place where stream and whole parse differ.
 """
@@ -52,6 +54,7 @@ _ARGS_KEYS = ("arguments", "parameters")
 _JSON_WS = " \t\n\r"
 _SCALAR_CHARS = frozenset("0123456789+-.eEtruefalsnNaIiy")
 _SETTLED_KEEP_CHARS = 4096
+_CALL, _MALFORMED = "call", "malformed"
 
 
 @dataclass(frozen=True)
@@ -165,52 +168,26 @@ def _parse_call_object(text: str, start: int, fmt: str) -> _CallObject | None:
     return _CallObject(name, (args_start, args_end), end)
 
 
-def _arguments(text: str, call: _CallObject) -> str:
-    return "{}" if call.args_span is None else text[call.args_span[0]:call.args_span[1]]
-
-
-def _hermes_block(text: str, open_at: int) -> tuple[_CallObject | None, int]:
-    """The call in the `<tool_call>` block at open_at (None when malformed) and where the block ends."""
-    body = open_at + len(TOOL_CALL_OPEN)
-    call = _parse_call_object(text, _skip_ws(text, body), HERMES)
-    if call is not None:
-        after = _skip_ws(text, call.end)
-        if after == len(text):
-            return call, after
-        if text.startswith(TOOL_CALL_CLOSE, after):
-            return call, after + len(TOOL_CALL_CLOSE)
-    close = text.find(TOOL_CALL_CLOSE, body)
-    return None, len(text) if close < 0 else close + len(TOOL_CALL_CLOSE)
-
-
 def _finish_content(parts: list[str]) -> str | None:
     return "".join(parts).strip() or None
 
 
 def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a complete generated text; see the module docstring for the rules."""
-    _check_format(fmt)
-    calls: list[ToolCall] = []
-    if fmt == HERMES:
-        parts, pos = [], 0
-        while (open_at := text.find(TOOL_CALL_OPEN, pos)) >= 0:
-            parts.append(text[pos:open_at])
-            call, pos = _hermes_block(text, open_at)
-            if call is None:
-                parts.append(text[open_at:pos])
-            else:
-                calls.append(ToolCall(new_call_id(), call.name, _arguments(text, call)))
-        parts.append(text[pos:])
-        return _finish_content(parts), calls
-    pos = _skip_ws(text, 0)
-    while pos < len(text):
-        start = _skip_ws(text, pos + len(PYTHON_TAG)) if text.startswith(PYTHON_TAG, pos) else pos
-        call = _parse_call_object(text, start, LLAMA3)
-        if call is None:
-            break
-        calls.append(ToolCall(new_call_id(), call.name, _arguments(text, call)))
-        pos = _skip_ws(text, call.end, _JSON_WS + ";")
-    return _finish_content([text[pos:]]), calls
+    """(content, calls) of a complete generated text: the streaming parser run over all of it, so the whole
+    and the streamed parse share one grammar. See the module docstring for the rules."""
+    parser = ToolCallStreamParser(fmt)
+    content: list[str] = []
+    starts: list[ToolCallStart] = []
+    arguments: dict[int, list[str]] = {}
+    for event in parser.feed(text, last=True):
+        if isinstance(event, ContentDelta):
+            content.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            starts.append(event)
+        else:
+            arguments.setdefault(event.index, []).append(event.text)
+    calls = [ToolCall(start.id, start.name, "".join(arguments.get(start.index, []))) for start in starts]
+    return _finish_content(content), calls
 
 
 class _ObjectScanner:
@@ -376,10 +353,12 @@ class ToolCallStreamParser:
         self._final = False
         self._events: list = []
 
-    def feed(self, text_delta: str) -> list:
+    def feed(self, text_delta: str, last: bool = False) -> list:
+        """The events text_delta settles; `last` says the text ends with it (feed, then finish, in one)."""
         if self._final:
             raise ValueError("feed after finish")
         self._text += text_delta
+        self._final = last
         return self._run()
 
     def finish(self) -> list:
@@ -391,8 +370,7 @@ class ToolCallStreamParser:
 
     def _run(self) -> list:
         self._events = []
-        steps = {"content": self._step_content, "block": self._step_block, "after": self._step_after,
-                 "malformed": self._step_malformed, "lead": self._step_lead, "sep": self._step_sep,
+        steps = {"content": self._step_content, "block": self._step_block, "malformed": self._step_malformed, "lead": self._step_lead, "sep": self._step_sep,
                  "plain": self._step_plain}
         while steps[self._state]():
             pass
@@ -448,7 +426,11 @@ class ToolCallStreamParser:
             except ValueError:
                 pass
             scanner.malformed = block.name is None
-        if not block.started and block.name is not None and (self._fmt == HERMES or scanner.args_start is not None):
+        fate, end = self._fate(block)
+        # announced once the name is complete, unless the text at hand already shows the block malformed:
+        # run over a whole text, every fate is known here and the parse is the whole-text one
+        if (fate != _MALFORMED and not block.started and block.name is not None
+                and (self._fmt == HERMES or scanner.args_start is not None)):
             block.started = True
             block.sent_upto = max(scanner.name_span[1], (scanner.args_start or 0) + 1)
             self._events.append(ToolCallStart(self._index, block.id, block.name))
@@ -459,31 +441,35 @@ class ToolCallStreamParser:
                 self._events.append(ToolCallArgsDelta(self._index, text[sent:upto]))
                 block.args_sent = upto
                 block.sent_upto = max(block.sent_upto, upto)
-        if scanner.malformed or (self._final and scanner.end is None):
+        if fate == _MALFORMED:
             return self._malformed()
-        if scanner.end is None:
+        if fate is None:
             return False
-        call = _parse_call_object(text, scanner.obj_start, self._fmt)
-        if call is None or call.end != scanner.end or call.name != block.name:
-            return self._malformed()
-        if self._fmt == HERMES:
-            self._state = "after"
-            return True
-        self._end_call(scanner.end)
-        self._state = "sep"
+        self._end_call(end)
+        self._state = "content" if self._fmt == HERMES else "sep"
         return True
 
-    def _step_after(self) -> bool:
-        text, scanner = self._text, self._block.scanner
+    def _fate(self, block: _Block) -> tuple[str | None, int]:
+        """(_CALL, where the call's text ends), (_MALFORMED, 0), or (None, 0) while the text so far cannot tell.
+        A complete object is judged by `_parse_call_object`; a Hermes call must then be followed by
+        `</tool_call>` or by the end of the whole text."""
+        scanner, text = block.scanner, self._text
+        if scanner.malformed or (self._final and scanner.end is None):
+            return _MALFORMED, 0
+        if scanner.end is None:
+            return None, 0
+        call = _parse_call_object(text, scanner.obj_start, self._fmt)
+        if call is None or call.end != scanner.end or call.name != block.name:
+            return _MALFORMED, 0
+        if self._fmt == LLAMA3:
+            return _CALL, scanner.end
         after = _skip_ws(text, scanner.end)
         rest = text[after:after + len(TOOL_CALL_CLOSE)]
         if rest == TOOL_CALL_CLOSE or (self._final and not rest):
-            self._end_call(after + len(rest))
-            self._state = "content"
-            return True
+            return _CALL, after + len(rest)
         if TOOL_CALL_CLOSE.startswith(rest) and not self._final:
-            return False
-        return self._malformed()
+            return None, 0
+        return _MALFORMED, 0
 
     def _end_call(self, end: int) -> None:
         block = self._block
