@@ -50,11 +50,8 @@ def candidates(n: int, k: int, by_isa: bool = False):
     if by_isa and ext is not None:
         for isa in ("avx2", "native"):
             def run(x, isa=isa):
-                ext.set_isa(isa)
-                try:
+                with kernels.options(vnni=isa == "native" and ext.cpu_has_vnni()):
                     return ext.qlinear(x, sudu4.qweight, None)
-                finally:
-                    ext.set_isa("native")
             name = f"sudu int4 {isa}"
             fns[name], nbytes[name] = run, sudu4.weight_bytes()
     return fns, nbytes

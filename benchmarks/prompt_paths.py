@@ -7,8 +7,8 @@ setting.
         [--settings "before:off:off:0,now:64:64:14"] [--rounds 6]
 
 A setting is NAME:UNPACK:BYPASS:BLOCK_MIB:
-  UNPACK     rows from which a GGUF tile's codes are assembled once per call (kernels set_unpack_rows; VNNI)
-  BYPASS     rows from which a call's outputs are written past the caches (kernels set_bypass_rows; VNNI)
+  UNPACK     rows from which a GGUF tile's codes are assembled once per call (kernels.h KernelOptions::unpack_min_rows; VNNI)
+  BYPASS     rows from which a call's outputs are written past the caches (KernelOptions::bypass_min_rows; VNNI)
   BLOCK_MIB  the MLP's row blocks, MiB of its float32 intermediate per block (layers/mlp.py BLOCK_BYTES; 0: none)
 `off` for UNPACK or BYPASS: never. The switches change where values are computed and stored, never the
 values (tests/test_gguf_native.py, tests/test_linear.py).
@@ -58,11 +58,12 @@ def prompts(args) -> None:
     llm.generate([[rng.randrange(1000, 20000) for _ in range(300)]], params)  # warm-up
     print(f"{args.model}, kernels {ext.isa()}: cold prompt ms (median of {args.rounds}), "
           "and the median per-round ratio to the first setting", flush=True)
-    saved = ext.set_unpack_rows(64), ext.set_bypass_rows(64), mlp.BLOCK_BYTES
+    saved = ext.kernel_options(), mlp.BLOCK_BYTES
     try:
         def apply(setting) -> None:
-            ext.set_unpack_rows(setting[1])
-            ext.set_bypass_rows(setting[2])
+            changed = ext.kernel_options()
+            changed.unpack_min_rows, changed.bypass_min_rows = setting[1], setting[2]
+            ext.set_kernel_options(changed)
             mlp.BLOCK_BYTES = setting[3]
 
         for n in (int(t) for t in args.tokens.split(",")):
@@ -72,9 +73,8 @@ def prompts(args) -> None:
                 f"{s[0]} {1e3 * statistics.median(v):.0f} ms ({statistics.median([b / a for a, b in zip(base, v)]):.3f})"
                 for s, v in times.items()), flush=True)
     finally:
-        ext.set_unpack_rows(saved[0])
-        ext.set_bypass_rows(saved[1])
-        mlp.BLOCK_BYTES = saved[2]
+        ext.set_kernel_options(saved[0])
+        mlp.BLOCK_BYTES = saved[1]
 
 
 def attention(args) -> None:

@@ -4,9 +4,9 @@ the median step (or prompt) time per way and the ratio of the medians. Both ways
 (tests/test_linear.py). --switch picks the two:
 - shares (default): how qlinear's threads split a call's tiles, each thread streaming a contiguous share
   (taking chunks from the back of the others' when done) against chunks from one shared counter in turn
-  (kernels set_contiguous_shares);
+  (kernels.h KernelOptions::contiguous_shares);
 - fused-silu: silu(gate) * up inside the gate_up call (qlinear_silu) against a silu_mul pass after it
-  (kernels set_fused_silu).
+  (KernelOptions::fused_silu).
 
     flock /tmp/sudu-bench.lock python -m benchmarks.work_split [--switch shares|fused-silu] [--model M] \\
         [--batch 1,8] [--tokens 590] [--steps 400] [--rounds 6]
@@ -27,10 +27,10 @@ from sudu import kernels
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
 
-# --switch: (its two ways, the first being the default; the kernels' setter taking whether the first is on)
+# --switch: (its two ways, the first being the default; the kernel option that is on for the first)
 SWITCHES = {
-    "shares": (("contiguous shares", "shared counter"), "set_contiguous_shares"),
-    "fused-silu": (("silu in gate_up", "silu_mul after"), "set_fused_silu"),
+    "shares": (("contiguous shares", "shared counter"), "contiguous_shares"),
+    "fused-silu": (("silu in gate_up", "silu_mul after"), "fused_silu"),
 }
 
 
@@ -88,12 +88,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, speculative="none", progress=False, enable_prefix_caching=False, num_threads=args.threads)
     llm.generate(["warm up"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    ways, setter = SWITCHES[args.switch]
-    setter = getattr(ext, setter)
-    before = setter(True)
+    ways, option = SWITCHES[args.switch]
+    before = ext.kernel_options()
 
     def use(way: str) -> None:
-        setter(way == ways[0])
+        changed = ext.kernel_options()
+        setattr(changed, option, way == ways[0])
+        ext.set_kernel_options(changed)
 
     print(f"{args.model}, {args.threads} threads, kernels {ext.isa()}", flush=True)
     try:
@@ -106,7 +107,7 @@ def main() -> None:
             times = cold_prompts_in_turn(llm, rng, n, list(ways), args.rounds, use)
             print(ratio_line(f"cold {n}-token prompt, median of {args.rounds}", times, 1e3, "ms"), flush=True)
     finally:
-        setter(before)
+        ext.set_kernel_options(before)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,10 @@ class EngineConfig:
     # layers (far less memory; no prefix cache for such models), "full" keeps every position (prefix cache on)
     sliding_window_kv: str = "ring"
     kv_cache_memory: int | None = None  # bytes for the KV pool; None -> a quarter of available RAM, at most 4 GiB
+    # the pool's pages take memory as they are first written, so the resident set grows as the context cache
+    # fills, up to kv_cache_memory. kv_prefault commits them all at load instead: the resident set is then
+    # flat from the start (what a container's memory limit sees), at the price of the whole pool up front
+    kv_prefault: bool = False
     max_model_len: int | None = None  # None -> the model's context length, at most 32768
     max_num_seqs: int = 64  # sequences in the running batch
     # tokens per forward pass (prefill chunks + decodes): a prompt of up to this many tokens is one chunk,

@@ -2,6 +2,7 @@
 shadow of an 8-bit head. Where it serves, its argmax is the whole head's (ties included) and every finite
 logit is the whole head's bit for bit; it runs only for steps of a few rows that want nothing but the
 argmax; the engine's greedy tokens are the same with it and without it."""
+import contextlib
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from sudu.layers import gguf_native
 from sudu.layers import linear as L
 from sudu.quant.formats import TILE_ROWS
 from sudu.sampling import SamplingParams
-from tests.helpers.native_blocks import isas, random_tensor
+from tests.helpers.native_blocks import isas, on_isa, random_tensor
 
 ext = kernels.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
@@ -22,10 +23,11 @@ pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernel
 V, K = 2048, 256
 
 
-@pytest.fixture(autouse=True)
-def restore():
-    yield
-    ext.set_isa("native")
+@pytest.fixture
+def restore_isa():
+    """Runs the rest of a test on a kernel path by name; the CPU's best path is restored after it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda name: stack.enter_context(on_isa(name))
 
 
 def head(kind: str, seed: int = 0) -> L.QuantizedLinear:
@@ -59,8 +61,8 @@ def check_rows(bounded: B.BoundedHead, h: L.QuantizedLinear, x: torch.Tensor) ->
 
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("kind", ["int8", "Q8_0", "Q6_K"])
-def test_argmax_and_values_are_the_whole_heads(kind, isa):
-    ext.set_isa(isa)
+def test_argmax_and_values_are_the_whole_heads(kind, isa, restore_isa):
+    restore_isa(isa)
     h = head(kind)
     bounded = B.BoundedHead(h, hidden(256, seed=1))
     served = 0
@@ -74,8 +76,8 @@ def test_argmax_and_values_are_the_whole_heads(kind, isa):
 
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("kind", ["int8", "Q6_K"])
-def test_qlinear_tiles_are_qlinears_columns(kind, isa):
-    ext.set_isa(isa)
+def test_qlinear_tiles_are_qlinears_columns(kind, isa, restore_isa):
+    restore_isa(isa)
     h = head(kind)
     g = torch.Generator().manual_seed(7)
     picks = [torch.tensor([0]), torch.tensor([3, 4, 5, 90, 127]), torch.arange(128),

@@ -10,20 +10,13 @@ from sudu.layers import gguf_native
 from sudu.layers import fuse
 from sudu.layers import linear as L
 from sudu.layers.mlp import GatedMLP
-from tests.helpers.native_blocks import isas, random_tensor
+from tests.helpers.native_blocks import isas, on_isa, random_tensor
 
 ext = kernels.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
 
 # decode, speculation, the 8-row kernel's edge, prompt chunks below and above the once-per-tile unpacking
 ROWS = (1, 3, 8, 9, 64, 70)
-
-
-@pytest.fixture(autouse=True)
-def restore():
-    yield
-    ext.set_isa("native")
-    ext.set_fused_silu(True)
 
 
 def gate_up(kind: str, inter: int, k: int, bias: bool):
@@ -45,22 +38,22 @@ def test_fused_silu_gives_silu_mul_of_gate_up_bit_for_bit(kind, bias):
     fused = gate_up(kind, 48, 512, bias)
     x = torch.randn(max(ROWS), 512)
     for isa in isas():
-        ext.set_isa(isa)
-        for m in ROWS:
-            want = ext.silu_mul(ext.qlinear(x[:m], fused.qweight, fused.bias))
-            got = ext.qlinear_silu(x[:m], fused.qweight, fused.bias)
-            assert got.shape == (m, 48)
-            assert torch.equal(got, want), (isa, m)
-            assert torch.equal(got[:1], ext.qlinear_silu(x[:1], fused.qweight, fused.bias))  # batch-invariant
+        with on_isa(isa):
+            for m in ROWS:
+                want = ext.silu_mul(ext.qlinear(x[:m], fused.qweight, fused.bias))
+                got = ext.qlinear_silu(x[:m], fused.qweight, fused.bias)
+                assert got.shape == (m, 48)
+                assert torch.equal(got, want), (isa, m)
+                assert torch.equal(got[:1], ext.qlinear_silu(x[:1], fused.qweight, fused.bias))  # batch-invariant
 
 
 def test_the_switch_gives_the_same_values_and_odd_tile_counts_are_refused():
     fused = gate_up("Q5_0/Q5_0", 32, 256, False)
     x = torch.randn(5, 256)
     on = ext.qlinear_silu(x, fused.qweight, None)
-    assert ext.set_fused_silu(False) is True
-    assert torch.equal(ext.qlinear_silu(x, fused.qweight, None), on)
-    ext.set_fused_silu(True)
+    assert ext.kernel_options().fused_silu is True
+    with kernels.options(fused_silu=False):
+        assert torch.equal(ext.qlinear_silu(x, fused.qweight, None), on)
     odd = fuse.fuse_linears([gguf_native.native_layer(random_tensor("Q5_0", 16, 256, seed=s), None) for s in range(3)])
     with pytest.raises(RuntimeError, match="even number of tiles"):
         ext.qlinear_silu(x, odd.qweight, None)

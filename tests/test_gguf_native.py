@@ -11,7 +11,7 @@ from sudu import kernels
 from sudu.engine import network
 from sudu.layers import fuse, gguf_native, linear
 from sudu.weights.gguf import QuantizedTensor
-from tests.helpers.native_blocks import BLOCKS, isas, random_tensor
+from tests.helpers.native_blocks import BLOCKS, isas, on_isa, random_tensor
 
 ext = kernels.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
@@ -42,12 +42,6 @@ def rounded_activations(x: torch.Tensor, ggml_type: str = "Q8_0") -> torch.Tenso
     return (torch.round(g * inv).clamp(-127, 127) * d).reshape(x.shape)
 
 
-@pytest.fixture(autouse=True)
-def restore_isa():
-    yield
-    ext.set_isa("native")
-
-
 @pytest.mark.parametrize("ggml_type", list(BLOCKS))
 def test_each_format_matches_the_reference(ggml_type):
     n, k = 40, 512  # 40 rows: a padded last tile
@@ -63,38 +57,33 @@ def test_each_format_matches_the_reference(ggml_type):
     want = rounded_activations(x, ggml_type).double() @ ref.double().T + bias.double()
     outputs = {}
     for isa in isas():
-        ext.set_isa(isa)
-        for m in (1, 2, 3, 5, 8, 9, 17, 64):
-            y = layer(x[:m])
-            err = (y.double() - want[:m]).abs().max() / want[:m].abs().max()
-            assert err < 2e-5, (isa, m, float(err))
-            # a row's result does not depend on the rows it shares the call with
-            assert torch.equal(y, layer(x[:m].flip(0)).flip(0))
-            outputs[(isa, m)] = y
+        with on_isa(isa):
+            for m in (1, 2, 3, 5, 8, 9, 17, 64):
+                y = layer(x[:m])
+                err = (y.double() - want[:m]).abs().max() / want[:m].abs().max()
+                assert err < 2e-5, (isa, m, float(err))
+                # a row's result does not depend on the rows it shares the call with
+                assert torch.equal(y, layer(x[:m].flip(0)).flip(0))
+                outputs[(isa, m)] = y
         assert torch.equal(outputs[(isa, 64)][:9], outputs[(isa, 9)])
         assert torch.equal(outputs[(isa, 1)], outputs[(isa, 17)][:1])
     if len(isas()) == 2:  # AVX2 and VNNI: the same integers and float operations
-        assert torch.equal(outputs[("avx2", 64)], outputs[("native", 64)])
+        assert torch.equal(outputs[("avx2", 64)], outputs[("avx512vnni", 64)])
 
 
 @pytest.mark.parametrize("ggml_type", list(BLOCKS))
 def test_codes_assembled_once_per_tile_give_the_same_rows(ggml_type):
-    """Prompt-sized calls on the VNNI path assemble each tile's codes once (set_unpack_rows: from how many
+    """Prompt-sized calls on the VNNI path assemble each tile's codes once (unpack_min_rows: from how many
     rows): bit for bit the rows of assembling them per 8 rows, at every row-chunk size (13 = 8 + 5)."""
-    if ext.set_isa("native") != "avx512vnni":
+    if not ext.cpu_has_vnni():
         pytest.skip("the once-per-tile codes are the AVX-512 VNNI path's")
     qt = random_tensor(ggml_type, 40, 512, permute=True)
     layer = gguf_native.native_layer(qt, torch.randn(40))
     x = torch.randn(13, 512)
-    before, bypass = ext.set_unpack_rows(1), ext.set_bypass_rows(1)  # outputs past the caches, too
-    try:
+    with kernels.options(unpack_min_rows=1, bypass_min_rows=1):  # outputs past the caches, too
         once = layer(x)
-        ext.set_unpack_rows(1 << 40)
-        ext.set_bypass_rows(1 << 40)
+    with kernels.options(unpack_min_rows=1 << 40, bypass_min_rows=1 << 40):
         per_chunk = layer(x)
-    finally:
-        ext.set_unpack_rows(before)
-        ext.set_bypass_rows(bypass)
     assert torch.equal(once, per_chunk)
 
 
@@ -120,22 +109,19 @@ def test_the_largest_codes_against_the_largest_activations_do_not_overflow(ggml_
     x[3] = 0.5
     want = x.double() @ ref.double().T
     for isa in isas():
-        ext.set_isa(isa)
-        xx = x.repeat(3, 1)  # 12 rows: past the 8-row kernel calls, where VNNI assembles codes once per tile
-        assert torch.equal(layer_rows(layer, xx, 1), layer_rows(layer, xx, 1 << 40))
-        torch.testing.assert_close(layer_rows(layer, xx, 1)[:4], layer(x))
-        for m in (1, 4):
-            y = layer(x[:m])
-            err = (y.double() - want[:m]).abs().max() / want[:m].abs().max()
-            assert err < 2e-5, (isa, m, float(err))
+        with on_isa(isa):
+            xx = x.repeat(3, 1)  # 12 rows: past the 8-row kernel calls, where VNNI assembles codes once per tile
+            assert torch.equal(layer_rows(layer, xx, 1), layer_rows(layer, xx, 1 << 40))
+            torch.testing.assert_close(layer_rows(layer, xx, 1)[:4], layer(x))
+            for m in (1, 4):
+                y = layer(x[:m])
+                err = (y.double() - want[:m]).abs().max() / want[:m].abs().max()
+                assert err < 2e-5, (isa, m, float(err))
 
 
 def layer_rows(layer, x, unpack_rows: int):
-    before = ext.set_unpack_rows(unpack_rows)
-    try:
+    with kernels.options(unpack_min_rows=unpack_rows):
         return layer(x)
-    finally:
-        ext.set_unpack_rows(before)
 
 
 def test_fused_layers_of_mixed_formats_equal_their_parts():

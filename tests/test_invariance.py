@@ -230,32 +230,24 @@ def test_seeded_sampling_ignores_neighbours_and_cache(engines):
 
 
 def kernel_isas() -> list:
-    """The dot-product instruction sets of the quantized kernels (kernels/quant_linear.cpp set_isa), each one
+    """The dot-product instruction sets of the quantized kernels (kernels.h KernelOptions::vnni), each one
     this CPU lacks reported as skipped with the reason."""
     ext = kernels.load()
     assert ext is not None, f"the native kernels did not load: {kernels.disabled_reason() or 'compile failed'}"
-    vnni = ext.set_isa("native") == "avx512vnni"
     return ["avx2", pytest.param("avx512vnni", marks=pytest.mark.skipif(
-        not vnni, reason="this CPU lacks AVX-512 VNNI: its kernels are not exercised here"))]
-
-
-@pytest.fixture
-def isa():
-    ext = kernels.load()
-    yield ext
-    ext.set_isa("native")
+        not ext.cpu_has_vnni(), reason="this CPU lacks AVX-512 VNNI: its kernels are not exercised here"))]
 
 
 @pytest.mark.parametrize("name", kernel_isas())
 @pytest.mark.parametrize("model,fmt", [("qwen2", "int8"), ("qwen2", "int4"), ("qwen2-gguf", "auto"), ("qwen2moe", "int8")])
-def test_each_instruction_set_is_invariant_and_they_agree(engines, isa, name, model, fmt):
+def test_each_instruction_set_is_invariant_and_they_agree(engines, name, model, fmt):
     prompts = prompts_of(LENGTHS, seed=8)
-    isa.set_isa("native")
     native_ref = reference(engines, model, fmt, prompts)
-    assert isa.set_isa(name if name == "avx2" else "native") == name
-    ref = reference(engines, model, fmt, prompts)
-    assert answers(engines(model, fmt).generate(prompts, GREEDY)) == ref
-    assert answers(engines(model, fmt, max_num_batched_tokens=16).generate(prompts, GREEDY)) == ref
+    with kernels.options(vnni=name == "avx512vnni") as ext:
+        assert ext.isa() == name
+        ref = reference(engines, model, fmt, prompts)
+        assert answers(engines(model, fmt).generate(prompts, GREEDY)) == ref
+        assert answers(engines(model, fmt, max_num_batched_tokens=16).generate(prompts, GREEDY)) == ref
     assert ref == native_ref  # the same integers and float steps on either instruction set
 
 

@@ -107,14 +107,11 @@ def test_kernel_rows_do_not_depend_on_batch_size(fmt, k):
         assert torch.equal(layer(x[:m]), full[:m]), m
     single = torch.cat([layer(x[i:i + 1]) for i in range(33)])
     assert torch.equal(single, full)
-    ext = kernels.load()
-    native = ext.isa()
-    try:
-        assert ext.set_isa("avx2") == "avx2"
+    native = kernels.load().isa()
+    with kernels.options(vnni=False) as ext:
+        assert ext.isa() == "avx2"
         assert torch.equal(layer(x), full)
         assert torch.equal(layer(x[5:6]), full[5:6])
-    finally:
-        ext.set_isa("native")
     assert ext.isa() == native
 
 
@@ -311,46 +308,41 @@ def test_a_long_prompts_mlp_in_row_blocks_gives_the_same_rows(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_outputs_written_past_the_caches_are_the_same(fmt):
-    """Prompt-sized calls write their outputs with non-temporal stores (VNNI, set_bypass_rows): the same
+    """Prompt-sized calls write their outputs with non-temporal stores (VNNI, bypass_min_rows): the same
     values as ordinary stores, at every row-chunk size (77 = 9 x 8 + 5)."""
     ext = kernels.load()
-    if ext is None or ext.set_isa("native") != "avx512vnni":
+    if ext is None or not ext.cpu_has_vnni():
         pytest.skip("the non-temporal outputs are the AVX-512 VNNI path's")
     layer = L.QuantizedLinear.from_float(fmt, torch.randn(48, 128) * 0.1, torch.randn(48))
     x = torch.randn(77, 128)
-    before = ext.set_bypass_rows(1)
-    try:
+    with kernels.options(bypass_min_rows=1):
         bypassed = layer(x)
-        ext.set_bypass_rows(1 << 40)
+    with kernels.options(bypass_min_rows=1 << 40):
         cached = layer(x)
-    finally:
-        ext.set_bypass_rows(before)
     assert torch.equal(bypassed, cached)
 
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
 def test_contiguous_shares_compute_every_tile_once(threads):
     """qlinear's threads each stream a contiguous share of the tiles and take chunks from the back of the
-    others' when done (set_contiguous_shares): every output equals the shared counter's, with more threads
+    others' when done (contiguous_shares): every output equals the shared counter's, with more threads
     than cores (shares taken by other threads), calls of fewer tiles than threads, one row and 13."""
     ext = kernels.load()
     if ext is None:
         pytest.skip("the native extension is not available")
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    before = ext.set_contiguous_shares(True)
     try:
         for fmt, n in (("int8", 16), ("int4", 48), ("int4", 16 * 37), ("int8", 16 * 101)):
             layer = L.QuantizedLinear.from_float(fmt, torch.randn(n, 128) * 0.1, torch.randn(n))
             for rows in (1, 13):
                 x = torch.randn(rows, 128)
-                ext.set_contiguous_shares(True)
-                shares = layer(x)
-                ext.set_contiguous_shares(False)
-                assert torch.equal(shares, layer(x)), (fmt, n, rows)
+                with kernels.options(contiguous_shares=True):
+                    shares = layer(x)
+                with kernels.options(contiguous_shares=False):
+                    assert torch.equal(shares, layer(x)), (fmt, n, rows)
                 assert torch.allclose(shares, x @ layer.dequantized_weight().T + layer.bias, atol=0.05)
     finally:
-        ext.set_contiguous_shares(before)
         torch.set_num_threads(before_threads)
 
 
@@ -367,3 +359,22 @@ def test_prompt_chunks_take_the_path_the_cpus_multiply_units_favour(monkeypatch,
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx_granted)
     assert L.prefill_path() == path
+
+
+def test_kernel_options_are_checked_and_restored():
+    ext = kernels.load()
+    if ext is None:
+        pytest.skip("the native extension is not available")
+    before = ext.kernel_options()
+    with pytest.raises(ValueError, match="no kernel option"):
+        with kernels.options(threads=3):
+            pass
+    with pytest.raises(RuntimeError, match="positive"):
+        with kernels.options(unpack_min_rows=0):
+            pass
+    with kernels.options(fused_silu=False, bypass_min_rows=5):
+        now = ext.kernel_options()
+        assert (now.fused_silu, now.bypass_min_rows, now.vnni) == (False, 5, before.vnni)
+    after = ext.kernel_options()
+    assert (after.fused_silu, after.bypass_min_rows, after.unpack_min_rows, after.contiguous_shares, after.vnni) == (
+        before.fused_silu, before.bypass_min_rows, before.unpack_min_rows, before.contiguous_shares, before.vnni)

@@ -41,3 +41,20 @@ def test_engine_reports_weights_kv_and_resident_memory(tiny_model_dirs):
     metrics = {m.name: m.samples[0].value for m in _EngineStatsCollector(lambda: stats).collect() if m.samples}
     assert metrics["sudu:memory_kv_pool_bytes"] == eng.memory["memory_kv_pool_bytes"]
     assert metrics["sudu:memory_weights_bytes"] == eng.memory["memory_weights_bytes"]
+
+
+def test_kv_prefault_commits_the_whole_pool_at_load_and_changes_no_answer(tiny_model_dirs):
+    from sudu.engine.llm import LLM
+    from sudu.sampling import SamplingParams
+
+    prompt, params = [[5, 9, 13] * 40], SamplingParams(max_tokens=8, temperature=0.0)
+    answers = []
+    for prefault in (False, True):
+        llm = LLM(str(tiny_model_dirs["qwen2"]), progress=False, kv_cache_memory=16 << 20, kv_prefault=prefault)
+        pools = kv_pool_tensors(llm.engine.runner.kv_caches)
+        pool_bytes = llm.engine.memory["memory_kv_pool_bytes"]
+        resident = llm.engine.memory["memory_kv_resident_bytes"]
+        assert (resident == pool_bytes) if prefault else (resident < pool_bytes // 4)
+        assert all(not t.any() for t in pools)  # the pool is still zero
+        answers.append(llm.generate(prompt, params)[0].token_ids)
+    assert answers[0] == answers[1]

@@ -27,7 +27,7 @@ from sudu.engine.scheduler import ScheduledSeq, Scheduler
 from sudu.engine.sequence import Sequence, SequenceStatus
 from sudu.errors import RequestTooLongError
 from sudu.engine.block_manager import build_block_manager
-from sudu.engine.memory import memory_report
+from sudu.engine.memory import memory_report, prefault_kv
 from sudu.host.memory import release_freed_memory, rss_bytes
 from sudu.engine.spec.controller import Speculator, resolve_drafter
 from sudu.engine.spec.verify import Draft
@@ -115,6 +115,8 @@ class LLMEngine:
                            if drafter != "none" else None)
         ckpt.release_pages()
         release_freed_memory()
+        if config.kv_prefault:
+            prefault_kv(self)
         self.memory = memory_report(self)
         gib = 1 << 30
         log.info(

@@ -25,7 +25,7 @@ from sudu.paths import sudu_home
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "gguf_tiles.cpp", "attention.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "act_quant.cpp", "gguf_tiles.cpp", "attention.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -137,4 +137,25 @@ def _build_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def options(**changes):
+    """The quantized products' options (kernels.h KernelOptions: vnni, unpack_min_rows, bypass_min_rows,
+    contiguous_shares, fused_silu) changed for the block and restored after it, yielding the extension.
+    Every option computes the same values; tests and benchmarks compare the routes."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError(f"the native kernels are not loaded ({disabled_reason() or 'the compile failed'})")
+    before = ext.kernel_options()
+    changed = ext.kernel_options()
+    for name, value in changes.items():
+        if not hasattr(changed, name):
+            raise ValueError(f"no kernel option {name!r}")
+        setattr(changed, name, value)
+    ext.set_kernel_options(changed)
+    try:
+        yield ext
+    finally:
+        ext.set_kernel_options(before)
 

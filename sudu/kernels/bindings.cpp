@@ -1,5 +1,5 @@
 // The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers, with
-// gguf_tiles.cpp for GGUF's own block formats),
+// act_quant.cpp quantizing their activations and gguf_tiles.cpp for GGUF's own block formats),
 // attention.cpp (attention over the paged KV pool: few new tokens of many sequences, or a prompt chunk, one
 // arithmetic), ops.cpp (a decoder layer's elementwise steps), decoder.cpp (a whole decode step's decoder
 // stack), moe.cpp (routed experts) and bounded_head.cpp (a greedy row's candidates in the output head).
@@ -17,7 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_candidates", &head_candidates,
         "the output head's tiles that can hold a greedy row's argmax, from a 4-bit shadow's logits (bounded_head.cpp)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("set_fused_silu", &set_fused_silu, "whether qlinear_silu applies silu * up inside the call; returns the old value");
   m.def("dequantize", &dequantize, "dequant(W) as float32 (or bfloat16) [16 * tiles, K], tiles [t0, t1)",
         py::call_guard<py::gil_scoped_release>(),
         py::arg("q"), py::arg("bf16") = false, py::arg("t0") = 0, py::arg("t1") = -1);
@@ -25,12 +24,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_bytes", &tile_bytes, "bytes of one tile (16 rows) of K columns in a weight format");
   m.def("repack_gguf", &repack_gguf, "a GGUF tensor's blocks [rows, bytes] -> its tiles in a GGUF tile format",
         py::call_guard<py::gil_scoped_release>());
-  m.def("isa", &isa, "the dot-product instruction set qlinear uses");
-  m.def("set_isa", &set_isa, "force 'avx2' or restore 'native'");
-  m.def("set_unpack_rows", &set_unpack_rows, "rows from which GGUF tiles' codes are assembled once per call; returns the old value");
-  m.def("set_bypass_rows", &set_bypass_rows, "rows from which a call's outputs bypass the caches; returns the old value");
-  m.def("set_contiguous_shares", &set_contiguous_shares,
-        "whether qlinear's threads each stream a contiguous share of the tiles; returns the old value");
+  py::class_<KernelOptions>(m, "KernelOptions")
+      .def(py::init<>())
+      .def_readwrite("vnni", &KernelOptions::vnni)
+      .def_readwrite("unpack_min_rows", &KernelOptions::unpack_min_rows)
+      .def_readwrite("bypass_min_rows", &KernelOptions::bypass_min_rows)
+      .def_readwrite("contiguous_shares", &KernelOptions::contiguous_shares)
+      .def_readwrite("fused_silu", &KernelOptions::fused_silu);
+  m.def("kernel_options", &kernel_options, "the quantized products' options now (a copy)");
+  m.def("set_kernel_options", &set_kernel_options, "set the quantized products' options; returns the previous ones");
+  m.def("cpu_has_vnni", &cpu_has_vnni, "whether this CPU has the AVX-512 VNNI path");
+  m.def("isa", &isa, "the dot-product instruction set the calls use now");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out",
         py::call_guard<py::gil_scoped_release>());
   m.def("prompt_attention", &prompt_attention,

@@ -75,10 +75,7 @@ inline int codes4(const int8_t* q, int64_t K, int i, int64_t col) { return *rein
 // and high 4 in hi (low nibbles with their high bits W0, W1).
 template <int64_t F, int c>
 SUDU_VNNI inline void codes512(const uint8_t* bp, __m512i W0, __m512i W1, __m512i& lo, __m512i& hi) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  const __m512i raw = _mm512_loadu_si512(bp + 64 * c);
-  lo = _mm512_and_si512(raw, mask);
-  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+  nibbles(_mm512_loadu_si512(bp + 64 * c), lo, hi);
   if constexpr (high_bits(F) == 1) {
     const __m512i bit4 = _mm512_set1_epi8(0x10);
     lo = _mm512_or_si512(lo, _mm512_and_si512(shift512<4 - c>(W0), bit4));
@@ -260,10 +257,7 @@ inline void high_words256(const uint8_t* bp, int h, __m256i& W0, __m256i& W1) {
 }
 template <int64_t F, int c>
 inline void codes256(const uint8_t* bp, int h, __m256i W0, __m256i W1, __m256i& lo, __m256i& hi) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h));
-  lo = _mm256_and_si256(raw, mask);
-  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h)), lo, hi);
   if constexpr (high_bits(F) == 1) {
     const __m256i bit4 = _mm256_set1_epi8(0x10);
     lo = _mm256_or_si256(lo, _mm256_and_si256(shift256<4 - c>(W0), bit4));

@@ -11,8 +11,6 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Ten
 // silu(gate) * up from a fused gate | up weight q (2I / 16 tiles): silu_mul(qlinear(x, q, bias)) in one call.
 torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
 int64_t weight_tiles(torch::Tensor q);
-// Whether qlinear_silu fuses (else qlinear then silu_mul, the same values); returns the previous setting.
-bool set_fused_silu(bool on);
 // x's rows as the 8-bit, 4-bit and Q5_0 tiles' calls quantize them (q8_0), as float32 values.
 torch::Tensor q8_0_values(torch::Tensor x);
 // qlinear's outputs of the given tiles only (ascending int64 indices): y [M, 16 * tiles].
@@ -35,15 +33,24 @@ torch::Tensor dequantize(torch::Tensor q, bool bf16, int64_t t0, int64_t t1);
 torch::Tensor embedding_rows(torch::Tensor q, torch::Tensor ids, int64_t K);
 int64_t tile_bytes(int64_t fmt, int64_t K);
 torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K);
+// The quantized products' switches in one place. The defaults are what sudu runs; tests and benchmarks set
+// others to compare routes that compute the same values (every option leaves every output unchanged).
+struct KernelOptions {
+  bool vnni = false;               // AVX-512 VNNI dot products (only where the CPU has them), else AVX2
+  int64_t unpack_min_rows = 64;    // VNNI: from this many rows a GGUF tile's codes are assembled once per call
+  // VNNI: from this many rows a call's outputs are written past the caches (non-temporal stores): a prompt
+  // chunk's outputs (tens of MB) would otherwise be read from memory line by line before each write and
+  // push the activations, tiles and codes the call reuses out of L2 and L3
+  int64_t bypass_min_rows = 64;
+  bool contiguous_shares = true;   // each thread streams a contiguous share of the tiles (else a shared counter)
+  bool fused_silu = true;          // qlinear_silu applies silu * up inside the call (else qlinear, then silu_mul)
+};
+bool cpu_has_vnni();
+KernelOptions kernel_options();
+// Checked (no VNNI where the CPU lacks it); returns the previous options.
+KernelOptions set_kernel_options(const KernelOptions& o);
+// "avx512vnni" or "avx2": the dot-product path the calls take now.
 std::string isa();
-std::string set_isa(const std::string& name);
-// The row count from which qlinear assembles a GGUF tile's codes once per call (VNNI); returns the previous one.
-int64_t set_unpack_rows(int64_t min_rows);
-// The row count from which a call's outputs bypass the caches; returns the previous one.
-int64_t set_bypass_rows(int64_t min_rows);
-// Whether qlinear gives each thread a contiguous share of the tiles (else chunks from a shared counter);
-// returns the previous setting.
-bool set_contiguous_shares(bool on);
 // softmax(q k^T * scale) v over the paged KV pool, every row by one arithmetic (attention.cpp): few new tokens
 // of many sequences (decode_attention), a prompt chunk's new tokens causal from `first` and within `window`
 // keys when > 0 (prompt_attention); into out.

@@ -21,6 +21,10 @@
 // operations in the same order: a row's result is bit for bit independent of the batch it shares the
 // call with (what makes greedy speculative decoding identical to plain decoding on quantized weights,
 // and batch-1 output identical to batched output).
+//
+// This file holds the products (the tile kernels, the weights' layouts, the calls); the activation rows'
+// quantization is act_quant.cpp's, the split of a call's tiles over the threads work_shares.h's, and the
+// switches that compare routes (KernelOptions) are declared in kernels.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -35,123 +39,15 @@
 #include <utility>
 #include <vector>
 
+#include "act_quant.h"
 #include "kernels.h"
 #include "quant_tiles.h"
 #include "simd.h"
+#include "work_shares.h"
 
 namespace {
 
 using namespace qtiles;
-
-// Codes x * id rounded to nearest even (the default MXCSR mode; packs saturate at +-127): n floats (a
-// multiple of 32) into xq; sum16 gets the sum of each 16 codes.
-inline void round_codes(const float* x, int n, float id, int8_t* xq, int32_t* sum16) {
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  auto hsum = [](__m256i v) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    return _mm_cvtsi128_si32(t);
-  };
-  for (int b = 0; b < n; b += 32) {
-    __m256i qi[4];
-    for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + b + 8 * j), _mm256_set1_ps(id)));
-    // packs work per 128-bit lane; the permutation restores element order
-    __m256i p = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b), p);
-    sum16[b / 16] = hsum(_mm256_add_epi32(qi[0], qi[1]));
-    sum16[b / 16 + 1] = hsum(_mm256_add_epi32(qi[2], qi[3]));
-  }
-}
-
-// The largest |x| of n floats (a multiple of 8).
-inline float abs_max(const float* x, int n) {
-  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
-  __m256 amax = _mm256_setzero_ps();
-  for (int j = 0; j < n; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, _mm256_loadu_ps(x + j)));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  return _mm_cvtss_f32(m4);
-}
-
-// Two int16 values as one int32 (low, high): a madd operand.
-inline int32_t int16_pair(int32_t lo, int32_t hi) {
-  return static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xFFFF));
-}
-
-// The activation rows of one call, quantized once (Acts): q8_0 and q8_K, each only when a range reads it.
-struct ActRows {
-  int64_t K = 0, nb = 0;
-  std::vector<int8_t> xq, kq;
-  std::vector<float> sx, xsum, ksx;
-  std::vector<int32_t> isum, kpair, k16pair;
-  std::vector<int16_t> kf;
-
-  // Rows in parallel (a prompt chunk's hundreds of rows), each row's values independent of the others.
-  //   q8_0: per 32 columns d = amax / 127, codes x * (1 / d).
-  //   q8_K: per 256 columns D = amax / 127, and per 32-block a multiple f in 1..8 of D / 8 as the block's
-  //   scale, the smallest that holds the block (f = ceil(8 * block amax / amax)): blocks well under the
-  //   super-block's largest keep most of q8_0's resolution, and the kernels still sum the super-block in
-  //   integers (f times the block's products). Codes x * (1 / (D * f / 8)).
-  void quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K) {
-    K = K_;
-    nb = K / 32;
-    if (q8_0) {
-      xq.resize(M * K);
-      sx.resize(M * nb);
-      xsum.resize(M * nb);
-      isum.resize(M * nb);
-    }
-    if (q8_K) {  // K a multiple of 256
-      kq.resize(M * K);
-      ksx.resize(M * nb / 8);
-      kf.resize(M * nb);
-      kpair.resize(M * nb / 2);
-      k16pair.resize(M * nb);
-    }
-    auto rows = [&](int64_t m0, int64_t m1) {
-      int32_t s16[2];
-      std::vector<int32_t> fsum(nb);  // f * sum(codes) per block
-      for (int64_t m = m0; m < m1; ++m) {
-        const float* xr = x + m * K;
-        if (q8_0)
-          for (int64_t b = 0; b < nb; ++b) {
-            const int64_t o = m * nb + b;
-            const float d = abs_max(xr + 32 * b, 32) / 127.0f;
-            round_codes(xr + 32 * b, 32, d != 0.0f ? 1.0f / d : 0.0f, xq.data() + m * K + 32 * b, s16);
-            sx[o] = d;
-            isum[o] = s16[0] + s16[1];
-            xsum[o] = d * static_cast<float>(isum[o]);
-          }
-        if (q8_K) {
-          for (int64_t g = 0; g < nb / 8; ++g) {
-            const float amax = abs_max(xr + 256 * g, 256), D = amax / 127.0f;
-            ksx[m * nb / 8 + g] = D * 0.125f;
-            for (int64_t b = 8 * g; b < 8 * g + 8; ++b) {
-              const float bmax = abs_max(xr + 32 * b, 32);
-              const int f = amax != 0.0f ? std::min(8, std::max(1, static_cast<int>(std::ceil(8.0f * bmax / amax)))) : 8;
-              const float s = D * (static_cast<float>(f) * 0.125f);
-              round_codes(xr + 32 * b, 32, s != 0.0f ? 1.0f / s : 0.0f, kq.data() + m * K + 32 * b, s16);
-              kf[m * nb + b] = static_cast<int16_t>(f);
-              k16pair[m * nb + b] = int16_pair(f * s16[0], f * s16[1]);
-              fsum[b] = f * (s16[0] + s16[1]);
-            }
-          }
-          for (int64_t b = 0; b < nb; b += 2) kpair[m * nb / 2 + b / 2] = int16_pair(fsum[b], fsum[b + 1]);
-        }
-      }
-    };
-    if (M >= 16 && !at::in_parallel_region()) at::parallel_for(0, M, 8, rows);
-    else rows(0, M);
-  }
-  Acts at(int64_t m) const {
-    auto row = [](const auto& v, int64_t off) { return v.empty() ? nullptr : v.data() + off; };
-    return Acts{row(xq, m * K), row(sx, m * nb), row(xsum, m * nb), row(isum, m * nb),
-                row(kq, m * K), row(ksx, m * nb / 8), row(kf, m * nb), row(kpair, m * nb / 2), row(k16pair, m * nb), K, nb};
-  }
-};
 
 // ---- Tiles of 16 weight rows, one row per 32-bit lane ----
 // Both formats are stored as the kernels read them (layers/linear.py pack builds the tiles from the row
@@ -194,7 +90,6 @@ inline const uint8_t* q8_scales(const uint8_t* tp, int64_t b) {
 template <bool INT4, int R, int CH>
 SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y,
                               int64_t ldy) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   const int64_t nb = a.nb, tile_bytes = tile_bytes_of(INT4, nb);
   if (count > 1) prefetch_start(p);
   for (int64_t t = 0; t < count; ++t) {
@@ -209,7 +104,8 @@ SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, co
           const uint8_t* at = tp + b * Q4_BLOCK_BYTES + 64 * c;
           _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_BYTES), PREFETCH_HINT);
           const __m512i raw = _mm512_loadu_si512(at);
-          const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          __m512i lo, hi;
+          nibbles(raw, lo, hi);
           for (int i = 0; i < R; ++i) {
             const __m512i xl = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c)), xh = _mm512_set1_epi32(a.x4(i, 32 * b + 8 * c + 4));
             S[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(S[i], lo, xl), hi, xh);
@@ -259,7 +155,7 @@ SUDU_VNNI void dot_tiles_vnni(const uint8_t* p, int64_t count, const Acts& a, co
 // The same on AVX2, one tile at a time, each tile as two 8-lane halves.
 template <bool INT4, int R>
 void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias, float* y, int64_t ldy) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   const int64_t nb = a.nb, tile_bytes = tile_bytes_of(INT4, nb);
   // sum over 4 columns of q * x per lane: q unsigned (int4, [0, 15]) or signed with its sign moved onto x
   // (int8, |q|, |x| <= 127); neither saturates maddubs' int16 pairs
@@ -282,7 +178,8 @@ void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
           if (INT4) {
             // int16 sums over the whole block, widened once below: 8 pairs of at most 2 * 15 * 127 per lane
-            const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            __m256i lo, hi;
+            nibbles(raw, lo, hi);
             for (int i = 0; i < R; ++i) {
               const __m256i m = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a.x4(i, 32 * b + 8 * c))),
                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a.x4(i, 32 * b + 8 * c + 4))));
@@ -315,21 +212,13 @@ void dot_tiles(const uint8_t* p, int64_t count, const Acts& a, const float* bias
 // and 1-4 integer ones, stay in registers).
 constexpr int MR = 4, MR_VNNI = 8;
 
-bool cpu_has_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+// The options the calls read (kernels.h KernelOptions): the defaults, the CPU's best path.
+KernelOptions default_options() {
+  KernelOptions o;
+  o.vnni = cpu_has_vnni();
+  return o;
 }
-bool use_vnni = cpu_has_vnni();  // set_isa switches it, so the tests can compare the two paths
-// From this many activation rows a call's GGUF tiles have their codes assembled once per tile (VNNI path,
-// run_tiles); below, the unpacked buffer's write and reads cost more than assembling per 8 rows.
-// set_unpack_rows moves it, so tests and benchmarks can compare the two routes (the same results).
-int64_t unpack_min_rows = 64;
-// From this many activation rows a call's outputs are written past the caches (non-temporal stores): a
-// prompt chunk's outputs (tens of MB) would otherwise be read from memory line by line before each write
-// and push the activations, tiles and codes the call reuses out of L2 and L3; the next step reads them
-// once, in order. set_bypass_rows moves it.
-int64_t bypass_min_rows = 64;
+KernelOptions options = default_options();
 
 // A weight tensor as the kernels take it: either packed tiles of one format (uint8 [tiles, K / 32, 320] int4,
 // [tiles, ceil(K / 64), 1088] int8), or a segmented tensor (uint8 [bytes], layers/gguf_native.py): a header of
@@ -411,9 +300,9 @@ struct Job : Tiles {
 // the VNNI path, from unpack_min_rows rows: its codes assembled once, into a per-thread buffer).
 void run_tiles(const Tiles& j, int64_t M, int64_t t0, int64_t t1) {
   const int64_t ldy = j.ldy;
-  const bool vnni = use_vnni;
-  const bool bypass = vnni && M >= bypass_min_rows && !j.scratch;  // whole 64-byte lines per store
-  const bool once = vnni && is_gguf_format(j.fmt) && M >= unpack_min_rows;
+  const bool vnni = options.vnni;
+  const bool bypass = vnni && M >= options.bypass_min_rows && !j.scratch;  // whole 64-byte lines per store
+  const bool once = vnni && is_gguf_format(j.fmt) && M >= options.unpack_min_rows;
   // tiles [t, t + count) against all M rows; unpacked: tile t's codes from gguf_unpack_tile (count 1)
   auto run = [&](int64_t t, int64_t count, const uint8_t* unpacked) {
     auto chunk = [&](auto r, int64_t m) {
@@ -453,63 +342,6 @@ void run_tiles(const Tiles& j, int64_t M, int64_t t0, int64_t t1) {
   if (bypass) _mm_sfence();  // the non-temporal stores visible before the join
 }
 
-// Chunks per thread that run_jobs cuts the tiles into.
-constexpr int64_t CHUNKS_PER_THREAD = 8;
-
-// A thread's share of a call's tiles [lo, hi), in one word, so that its owner (taking chunks from the
-// front) and a thread done with its own share (taking them from the back) never take the same tile.
-struct alignas(64) Share {
-  std::atomic<uint64_t> v;
-  static uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) << 32 | static_cast<uint64_t>(hi); }
-  void set(int64_t lo, int64_t hi) { v.store(pack(lo, hi), std::memory_order_relaxed); }
-  // Up to n tiles [a, b) from the front (or the back); false when none are left.
-  bool take(int64_t n, bool front, int64_t& a, int64_t& b) {
-    uint64_t cur = v.load(std::memory_order_relaxed);
-    for (;;) {
-      const int64_t lo = static_cast<int64_t>(cur >> 32), hi = static_cast<int64_t>(cur & 0xffffffffu);
-      if (lo >= hi) return false;
-      a = front ? lo : std::max(lo, hi - n);
-      b = front ? std::min(hi, lo + n) : hi;
-      if (v.compare_exchange_weak(cur, front ? pack(b, hi) : pack(lo, a), std::memory_order_relaxed)) return true;
-    }
-  }
-};
-
-// Whether run_jobs gives each thread a contiguous share (else: chunks of one share for all, in turn).
-// set_contiguous_shares switches it, so benchmarks can compare the two (the same results).
-bool contiguous_shares = true;
-
-// Work items [0, total) (a call's tiles as one range over its jobs, or qlinear_silu's tile pairs) over the
-// threads, run_range(a, b) for chunks of them: one fork and join for all. Each thread streams its own
-// contiguous share of the tiles, a chunk at a time, so its weights are one stream that the prefetches
-// (PREFETCH_BYTES ahead) carry from chunk to chunk; with chunks from a shared counter in turn, every chunk
-// starts a new stream, which decode steps measured slower (docs/cpu_speed.md). A thread done with its
-// share takes chunks from the back of the others', so a thread the OS preempts (another process waking on
-// its core) leaves its remaining chunks to the rest instead of holding every thread at the join. A tile's
-// outputs do not depend on which thread or call computes it.
-template <typename F>
-void run_shares(int64_t total, F&& run_range) {
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  if (threads <= 1 || total < 2 * threads) {
-    at::parallel_for(0, total, 1, run_range);
-    return;
-  }
-  const int64_t chunk = std::max<int64_t>(1, total / (threads * CHUNKS_PER_THREAD));
-  TORCH_CHECK(total < (int64_t(1) << 31), "qlinear: too many tiles");
-  // one share per thread; without contiguous shares, one for all, which every thread takes from the front
-  const int64_t n_shares = contiguous_shares ? threads : 1;
-  std::unique_ptr<Share[]> shares(new Share[n_shares]);
-  for (int64_t i = 0; i < n_shares; ++i) shares[i].set(total * i / n_shares, total * (i + 1) / n_shares);
-  // each index of [0, threads) owns a share; a thread that gets several indices runs them in turn
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    int64_t a, b;
-    for (int64_t own = begin; own < end; ++own)
-      while (shares[own % n_shares].take(chunk, true, a, b)) run_range(a, b);
-    for (int64_t k = 1; k < n_shares; ++k)
-      while (shares[(begin + k) % n_shares].take(chunk, false, a, b)) run_range(a, b);
-  });
-}
-
 int64_t number_jobs(std::vector<Job>& jobs, size_t n) {
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -531,7 +363,7 @@ void each_range(const std::vector<Job>& jobs, size_t n, int64_t t0, int64_t t1, 
 
 void run_jobs(std::vector<Job>& jobs, size_t n, int64_t M) {
   const int64_t total = number_jobs(jobs, n);
-  run_shares(total, [&](int64_t t0, int64_t t1) {
+  run_shares(total, options.contiguous_shares, [&](int64_t t0, int64_t t1) {
     each_range(jobs, n, t0, t1, [&](const Job& j, int64_t a, int64_t b) { run_tiles(j, M, a, b); });
   });
 }
@@ -555,7 +387,7 @@ void run_pairs(std::vector<Job>& jobs, size_t n, int64_t M, int64_t P, float* ou
       run_tiles(v, M, 0, b - a);
     });
   };
-  run_shares(P, [&](int64_t p0, int64_t p1) {
+  run_shares(P, options.contiguous_shares, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> scratch;
     const int64_t step = M <= MR_VNNI ? p1 - p0 : 1;
     for (int64_t a = p0; a < p1; a += step) {
@@ -578,7 +410,6 @@ void run_pairs(std::vector<Job>& jobs, size_t n, int64_t M, int64_t P, float* ou
 // 8 rows: the low and high nibbles of a lane, interleaved by dword (unpacklo / unpackhi), are that row's 8
 // consecutive columns.
 inline void dequant_int4_tile(const uint8_t* tp, int64_t nb, float* out, int64_t ldo) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   // the rows of the two unpacks' 64-bit elements: lo gives (0, 1 | 4, 5), hi (2, 3 | 6, 7)
   static const int rows_of[2][4] = {{0, 1, 4, 5}, {2, 3, 6, 7}};
   for (int64_t b = 0; b < nb; ++b) {
@@ -591,7 +422,8 @@ inline void dequant_int4_tile(const uint8_t* tp, int64_t nb, float* out, int64_t
       _mm256_store_ps(m8, mv);
       for (int c = 0; c < 4; ++c) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * h));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        __m256i lo, hi;
+            nibbles(raw, lo, hi);
         const __m256i u[2] = {_mm256_unpacklo_epi32(lo, hi), _mm256_unpackhi_epi32(lo, hi)};
         for (int k = 0; k < 2; ++k) {
           const __m128i halves[2] = {_mm256_castsi256_si128(u[k]), _mm256_extracti128_si256(u[k], 1)};
@@ -710,10 +542,6 @@ void set_jobs(Job* jobs, const Weights& w, const float* x, int64_t M, const torc
   }
 }
 
-// Whether qlinear_silu applies silu * up inside the call (else: qlinear, then silu_mul: the same values).
-// set_fused_silu switches it, so benchmarks can compare the two.
-bool fused_silu = true;
-
 // A calling thread's reusable jobs for products of a few rows (larger ones allocate their own, so a
 // prompt's buffers are not held).
 constexpr int64_t REUSED_ELEMENTS = 1 << 16;
@@ -753,7 +581,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Ten
 // tiles, gate's first -> silu(x gate^T + b) * (x up^T + b) [M, I]: every value exactly what
 // silu_mul(qlinear(x, q, bias)) gives, without the [M, 2I] intermediate or the pass over it.
 torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias) {
-  if (!fused_silu) return silu_mul(qlinear(x, q, bias));
+  if (!options.fused_silu) return silu_mul(qlinear(x, q, bias));
   x = call_input(x);
   const Weights w = weights_of(q, x.size(1));
   TORCH_CHECK(w.ntiles % 2 == 0, "qlinear_silu: gate | up must be an even number of tiles (I a multiple of 16)");
@@ -763,8 +591,6 @@ torch::Tensor qlinear_silu(torch::Tensor x, torch::Tensor q, c10::optional<torch
   run_pairs(call_jobs(x, w, bias, own, nullptr), w.n, x.size(0), P, out.data_ptr<float>());
   return out;
 }
-
-bool set_fused_silu(bool on) { return std::exchange(fused_silu, on); }
 
 // x: float32 [M, K]; q: weights of one format (packed tiles or a one-segment tensor); tiles: ascending int64
 // tile indices -> y [M, 16 * tiles]: tile tiles[i]'s outputs in columns 16i..16i+15, each exactly what qlinear
@@ -897,23 +723,18 @@ torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K) {
   return out;
 }
 
-// "avx512vnni" or "avx2": the dot-product path qlinear takes. set_isa("avx2") forces the AVX2 path (the
-// tests check both give identical results); set_isa("native") restores the CPU's best.
-std::string isa() { return use_vnni ? "avx512vnni" : "avx2"; }
-std::string set_isa(const std::string& name) {
-  TORCH_CHECK(name == "avx2" || name == "native", "isa must be 'avx2' or 'native'");
-  use_vnni = name == "native" && cpu_has_vnni();
-  return isa();
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
 }
 
-namespace {
-// A row threshold set to min_rows; the previous value.
-int64_t set_min_rows(int64_t& threshold, int64_t min_rows) {
-  TORCH_CHECK(min_rows > 0, "min_rows must be positive");
-  return std::exchange(threshold, min_rows);
-}
-}  // namespace
+KernelOptions kernel_options() { return options; }
 
-int64_t set_unpack_rows(int64_t min_rows) { return set_min_rows(unpack_min_rows, min_rows); }
-int64_t set_bypass_rows(int64_t min_rows) { return set_min_rows(bypass_min_rows, min_rows); }
-bool set_contiguous_shares(bool on) { return std::exchange(contiguous_shares, on); }
+KernelOptions set_kernel_options(const KernelOptions& o) {
+  TORCH_CHECK(!o.vnni || cpu_has_vnni(), "this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(o.unpack_min_rows > 0 && o.bypass_min_rows > 0, "row thresholds must be positive");
+  return std::exchange(options, o);
+}
+
+std::string isa() { return options.vnni ? "avx512vnni" : "avx2"; }

@@ -33,6 +33,19 @@ inline void prefetch_start(const uint8_t* q, int64_t n = PREFETCH_BYTES) {
 // Compiled for VNNI by attribute only: the caller dispatches on the running CPU.
 #define SUDU_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
+// The low and high nibbles of every byte of raw, each as a byte: the 4-bit codes of sudu's int4 tiles and of
+// GGUF's formats, one lane's low columns in lo and its high ones in hi.
+SUDU_VNNI inline void nibbles(__m512i raw, __m512i& lo, __m512i& hi) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(raw, mask);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+}
+inline void nibbles(__m256i raw, __m256i& lo, __m256i& hi) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(raw, mask);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+}
+
 // One call's quantized activations, from the first row a kernel call takes (row stride K codes, nb blocks
 // of 32 columns), in two forms, each made only when a range of the call reads it:
 //   q8_0 (sudu's int8/int4 tiles, Q5_0): x ~= sx * xq with one scale per 32 columns;
@@ -54,7 +67,7 @@ struct Acts {
   // Whether the kernel prefetches the weights ahead of its loads. A prompt's row chunks run one tile each
   // (quant_linear.cpp run_tiles): only the first chunk's call streams it, the others find it in cache.
   bool stream = true;
-  // Whether the outputs go past the caches (non-temporal stores: quant_linear.cpp bypass_min_rows).
+  // Whether the outputs go past the caches (non-temporal stores: kernels.h KernelOptions::bypass_min_rows).
   bool bypass = false;
   inline int x4(int i, int64_t col) const { return *reinterpret_cast<const int*>(xq + i * K + col); }
   inline int k4(int i, int64_t col) const { return *reinterpret_cast<const int*>(kq + i * K + col); }

@@ -31,4 +31,9 @@ def isas() -> list[str]:
     ext = kernels.load()
     if ext is None:
         return []
-    return ["avx2", "native"] if ext.set_isa("native") == "avx512vnni" else ["avx2"]
+    return ["avx2", "avx512vnni"] if ext.cpu_has_vnni() else ["avx2"]
+
+
+def on_isa(name: str):
+    """A block run on the kernels' `name` path ("avx2" or "avx512vnni"), the CPU's best restored after it."""
+    return kernels.options(vnni=name == "avx512vnni")

@@ -1,0 +1,34 @@
+// One call's activation rows quantized once (ActRows), in the forms the quantized products read (Acts,
+// quant_tiles.h): q8_0 for sudu's int8/int4 tiles and Q5_0, q8_K for the K-quants. Rows are quantized each
+// on its own, so a row's codes never depend on the rows it shares a call with.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "quant_tiles.h"
+
+namespace qtiles {
+
+// The activation rows of one call, quantized once (Acts): q8_0 and q8_K, each only when a range reads it.
+struct ActRows {
+  int64_t K = 0, nb = 0;
+  std::vector<int8_t> xq, kq;
+  std::vector<float> sx, xsum, ksx;
+  std::vector<int32_t> isum, kpair, k16pair;
+  std::vector<int16_t> kf;
+
+  // Rows in parallel (a prompt chunk's hundreds of rows), each row's values independent of the others.
+  //   q8_0: per 32 columns d = amax / 127, codes x * (1 / d).
+  //   q8_K: per 256 columns D = amax / 127, and per 32-block a multiple f in 1..8 of D / 8 as the block's
+  //   scale, the smallest that holds the block (f = ceil(8 * block amax / amax)): blocks well under the
+  //   super-block's largest keep most of q8_0's resolution, and the kernels still sum the super-block in
+  //   integers (f times the block's products). Codes x * (1 / (D * f / 8)).
+  void quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K);
+  Acts at(int64_t m) const {
+    auto row = [](const auto& v, int64_t off) { return v.empty() ? nullptr : v.data() + off; };
+    return Acts{row(xq, m * K), row(sx, m * nb), row(xsum, m * nb), row(isum, m * nb),
+                row(kq, m * K), row(ksx, m * nb / 8), row(kf, m * nb), row(kpair, m * nb / 2), row(k16pair, m * nb), K, nb};
+  }
+};
+
+}  // namespace qtiles
