@@ -269,6 +269,21 @@ def _drift(samples: list[tuple[float, int]], settle_s: float, name: str) -> dict
             f"{name}_max_drift_pct": round(100 * (max(later) - base) / max(base, 1), 1)}
 
 
+ADMISSION_GAUGES = ("calibration", "show_rate", "promises_kept", "promises_expired", "prefill_seconds_per_token",
+                    "decode_step_seconds")
+
+
+def admission_state(url: str) -> dict:
+    """The server's admission gauges from /metrics (sudu:admission_*), as they stand after a load."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = {}
+    for line in text.splitlines():
+        for name in ADMISSION_GAUGES:
+            if line.startswith(f"sudu:admission_{name} "):
+                found[name] = round(float(line.split()[1]), 4)
+    return found
+
+
 def summarize(result: RunResult, offered_per_s: float, capacity_per_s: float, max_queue_wait_s: float = 0.0,
               settle_s: float = 10.0) -> dict:
     tries = result.outcomes + [o.retry for o in result.outcomes if o.retry is not None]
@@ -346,6 +361,7 @@ def main() -> int:
             result = asyncio.run(open_loop(url, offered, args.duration_s, args.max_tokens, seed=i, server_pid=proc.pid,
                                            continuing_share=args.continuing_share, retry=not args.no_retry))
             summary = summarize(result, offered, capacity, args.max_queue_wait)
+            summary["server_admission"] = admission_state(url)
             report["loads"][f"{load:g}x"] = summary
             print(f"{load:g}x: {json.dumps(summary)}", flush=True)
         report["server_alive"] = proc.poll() is None

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from sudu.engine.block_manager import BlockManager
+from sudu.engine.promises import Promise, PromiseBook
 from sudu.engine.schedule_policy import COLD_PENALTY, order_key
 from sudu.engine.scheduler import Scheduler
 from sudu.engine.sequence import Sequence
@@ -101,13 +102,50 @@ def test_speed_is_measured_from_steps_and_calibrated_on_actual_waits():
     r.observe_step(num_decodes=0, num_prefill_tokens=100, seconds=1.0)  # prompt only: 0.01 s/token
     r.observe_step(num_decodes=4, num_prefill_tokens=0, seconds=0.1)  # decode only: 0.1 s/step
     assert r.measured and r.prefill_s_per_token == pytest.approx(0.01) and r.decode_step_s == pytest.approx(0.1)
-    r.observe_step(num_decodes=2, num_prefill_tokens=10, seconds=0.3)  # mixed: (0.3 - 0.1) / 10 = 0.02
-    assert r.prefill_s_per_token == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
+    r.observe_step(num_decodes=2, num_prefill_tokens=10, seconds=0.3)  # mixed: 0.3 - 0.1 = 0.2 s for 10 tokens
+    # weighed by tokens: (0.8 * 1 s + 0.2 s) / (0.8 * 100 + 10 tokens), not the ratio 0.02 s/token at a fifth
+    assert r.prefill_s_per_token == pytest.approx(1.0 / 90)
+    r.observe_step(num_decodes=8, num_prefill_tokens=1, seconds=0.5)  # a noisy mixed step: 0.4 s for one token
+    assert r.prefill_s_per_token == pytest.approx((0.8 * 1.0 + 0.4) / (0.8 * 90 + 1))
     r.observe_wait(predicted_raw_s=1.0, actual_s=3.0)
-    assert r.calibration == pytest.approx(0.8 * 1.0 + 0.2 * 3.0)
+    assert r.calibration == pytest.approx(3.0)  # one ratio: it is its own 90th percentile
     for _ in range(100):
         r.observe_wait(predicted_raw_s=1.0, actual_s=100.0)
     assert r.calibration == 4.0  # bounded
+
+
+def test_calibration_is_the_90th_percentile_of_the_last_64_ratios():
+    r = ServiceRates()
+    for actual in [1.0] * 57 + [3.0] * 7:  # sorted, the 58th of 64 (index 57) is the first 3.0
+        r.observe_wait(predicted_raw_s=2.0, actual_s=2.0 * actual)
+    assert r.calibration == pytest.approx(3.0)
+    r.observe_wait(predicted_raw_s=2.0, actual_s=2.0)  # the oldest 1.0 leaves the window, a new one comes
+    assert r.calibration == pytest.approx(3.0)
+    for _ in range(64):  # the window slides: after 64 ratios of 1.5, only they are left
+        r.observe_wait(predicted_raw_s=2.0, actual_s=3.0)
+    assert r.calibration == pytest.approx(1.5)
+    r.observe_wait(predicted_raw_s=0.01, actual_s=0.02)  # both under the noise floor: not calibrated on
+    assert r.calibration == pytest.approx(1.5)
+
+
+def test_promises_count_ahead_in_the_share_that_clients_come_back():
+    book = PromiseBook(grace_s=2.0)
+    load = SeqLoad(100, 16)
+    for k in range(4):  # due at 1, 2, 3, 4 s
+        book.keep(k, Promise(due=float(k + 1), arrival=0.0, loads=(load,)))
+    assert book.show_rate == 0.5
+    assert len(book.ahead(now=0.0, horizon_s=3.0)) == 2  # three due within the horizon, half of them counted
+    assert len(book.ahead(now=0.0, horizon_s=10.0)) == 2
+    assert book.redeem(0).arrival == 0.0 and book.redeem(0) is None  # redeemed once
+    assert book.kept == 1 and book.show_rate == pytest.approx(0.55)
+    book.expire(now=4.5)  # due 2 s + 2 s grace has passed; due 3 s has not
+    assert book.expired == 1 and len(book) == 2 and book.show_rate == pytest.approx(0.495)
+    for k in range(10, 60):  # clients that never come back: their promises soon stop counting
+        book.keep(k, Promise(due=5.0, arrival=0.0, loads=(load,)))
+    book.expire(now=100.0)
+    assert len(book) == 0 and book.show_rate < 0.01
+    book.keep(99, Promise(due=101.0, arrival=0.0, loads=(load,)))
+    assert book.ahead(now=100.0, horizon_s=5.0) == ()
 
 
 # ---------------------------------------------------------------- the scheduler's order

@@ -28,6 +28,7 @@ from sudu.engine.outputs import RequestOutput
 from sudu.engine.stream_interval import coalesced
 from sudu.engine.memory import kv_resident_bytes
 from sudu.engine.request import CheckedRequest
+from sudu.engine.promises import Promise, PromiseBook
 from sudu.engine.schedule_policy import is_continuing
 from sudu.engine.wait_predictor import EngineLoad, SeqLoad, WaitPrediction, predict_wait, snapshot
 from sudu.errors import EngineFailedError
@@ -69,11 +70,10 @@ class AsyncLLMEngine:
         self._admission_lock = threading.Lock()
         self._in_transit: dict[str, tuple[float, tuple[SeqLoad, ...]]] = {}  # id -> (admitted at, loads)
         self._added_since_snapshot: list[str] = []
-        # refused requests' places: (the prompt, max_tokens, priority) -> (Retry-After due, first arrival,
-        # loads). One that comes back after its Retry-After is predicted and queued from its first arrival
-        # (its aging), ahead of those that came later. Their work does not count ahead of new arrivals:
-        # clients that never come back would otherwise hold the queue shut while the engine idles
-        self._promised: dict[int, tuple[float, float, tuple[SeqLoad, ...]]] = {}
+        # refused requests' places, by (the prompt, max_tokens, priority): one that comes back after its
+        # Retry-After is predicted and queued from its first arrival, ahead of those that came later, and
+        # its work counts ahead of new arrivals in the share that clients come back (promises.py)
+        self._promises = PromiseBook(PROMISE_GRACE_S)
         self._arrival_of: dict[str, float] = {}  # admitted returning request -> its first arrival
         self.failure: str | None = None  # why the engine cannot continue, once it cannot
         self._failed: asyncio.Event | None = None
@@ -148,15 +148,14 @@ class AsyncLLMEngine:
             for rid, (at, _) in list(self._in_transit.items()):
                 if now - at > TRANSIT_EXPIRY_S:
                     del self._in_transit[rid]
-            for k, (due, _, _) in list(self._promised.items()):
-                if now > due + PROMISE_GRACE_S:
-                    del self._promised[k]
-            promise = self._promised.pop(key, None)
-            arrival = promise[1] if promise is not None else now
+            self._promises.expire(now)
+            promise = self._promises.redeem(key)
+            arrival = promise.arrival if promise is not None else now
             new = SeqLoad(len(ids) - cached, request.max_tokens, 0, priority, is_continuing(cached, len(ids)), arrival)
             transit = tuple(s for _, loads in self._in_transit.values() for s in loads)
+            promised = self._promises.ahead(now, self.config.max_queue_wait)
             base = self._load
-            load = EngineLoad(base.running, base.waiting + transit)
+            load = EngineLoad(base.running, base.waiting + transit + promised)
             prediction, _ = predict_wait(load, new, self.config.max_num_seqs, self.engine.wait_model.rates,
                                          self.config.max_queue_wait, now, self.config.priority_aging_s)
             loads = (new,) * request.params.n
@@ -165,7 +164,7 @@ class AsyncLLMEngine:
                 if promise is not None:
                     self._arrival_of[request_id] = arrival
             elif prediction.wait_s is not None:
-                self._promised[key] = (now + prediction.retry_after_s, arrival, loads)
+                self._promises.keep(key, Promise(now + prediction.retry_after_s, arrival, loads))
         return prediction
 
     async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0
@@ -211,11 +210,15 @@ class AsyncLLMEngine:
         prefix cache spreads over it, up to --kv-cache-memory)."""
         rates = self.engine.wait_model.rates
         with self._admission_lock:
-            in_transit, promised = len(self._in_transit), len(self._promised)
+            in_transit, book = len(self._in_transit), self._promises
+            promised, kept, expired, show_rate = len(book), book.kept, book.expired, book.show_rate
         return {
             **self._stats,
             "admission_in_transit": in_transit,
             "admission_promised": promised,
+            "admission_promises_kept": kept,
+            "admission_promises_expired": expired,
+            "admission_show_rate": show_rate,
             "admission_prefill_s_per_token": rates.prefill_s_per_token or 0.0,
             "admission_decode_step_s": rates.decode_step_s or 0.0,
             "admission_calibration": rates.calibration,

@@ -203,7 +203,7 @@ class LLMEngine:
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, RequestMetrics(now))
-        self.wait_model.on_add(request_id, self.scheduler, seqs[0])
+        self.wait_model.on_add(request_id, self.scheduler, seqs[0], now)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         state = self.requests.get(request_id)

@@ -7,7 +7,8 @@ Inputs, all the engine's own:
 - the arriving prompt's uncached tokens (the context cache's lookup, block_manager.cached_prefix_tokens);
 - the engine's measured speed (`ServiceRates`): seconds per prompt token and per decode step, moving
   averages over recent steps, and a calibration factor: the moving ratio of each request's actual wait to
-  what was predicted for it, which absorbs what the model below leaves out.
+  what was predicted for it (its 90th percentile over recent requests, so that the limit holds for the
+  tail), which absorbs what the model below leaves out.
 
 The model (`predict_wait`): the running batch has `max_num_seqs` slots. A slot frees when its sequence has
 computed its prompt and generated all of its tokens (max_tokens is an upper bound: a stop may come
@@ -27,6 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from sudu.engine.schedule_policy import order_key
@@ -34,6 +36,10 @@ from sudu.engine.schedule_policy import order_key
 PRIOR_OUTPUT_TOKENS = 256.0  # tokens a sequence is expected to generate before any has finished
 COLD_RETRY_S = 1.0  # Retry-After while the engine's speed is unmeasured
 CALIBRATION_RANGE = (0.5, 4.0)  # the actual/predicted factor is kept within this
+# admission promises a bound on the tail of the wait, not on its mean: predictions are scaled by this
+# quantile of the last CALIBRATION_WINDOW requests' actual / predicted ratios
+CALIBRATION_QUANTILE = 0.9
+CALIBRATION_WINDOW = 64
 MIN_CALIBRATION_WAIT_S = 0.05  # waits shorter than this are noise against the step time: not calibrated on
 
 
@@ -83,6 +89,10 @@ class ServiceRates:
         self.decode_step_s: float | None = None
         self.output_tokens: float | None = None  # generated per finished sequence
         self.calibration = 1.0
+        self._ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
+        # decayed sums of prompt seconds and prompt tokens: a step's share in the rate is its token count, so
+        # a mixed step of a few prompt tokens (whose cost beyond a decode step is mostly noise) weighs little
+        self._prefill_s = self._prefill_tokens = 0.0
 
     def expected_remaining(self, load: "SeqLoad") -> float:
         """Tokens a sequence will still generate: its max_tokens left, at most what sequences have been
@@ -103,7 +113,8 @@ class ServiceRates:
 
     def observe_step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
         """One step's wall time, with its decoding sequences and prompt tokens. A mixed step's prompt cost is
-        what it took beyond a decode-only step."""
+        what it took beyond a decode-only step; the prompt rate is the decayed sum of prompt seconds over the
+        decayed sum of prompt tokens."""
         if num_prefill_tokens == 0:
             if num_decodes:
                 self.decode_step_s = self._ema(self.decode_step_s, seconds)
@@ -114,16 +125,20 @@ class ServiceRates:
             extra = max(seconds - self.decode_step_s, 0.0)
         else:
             return
-        self.prefill_s_per_token = self._ema(self.prefill_s_per_token, extra / num_prefill_tokens)
+        keep = 1.0 - self.alpha
+        self._prefill_s = keep * self._prefill_s + extra
+        self._prefill_tokens = keep * self._prefill_tokens + num_prefill_tokens
+        self.prefill_s_per_token = self._prefill_s / self._prefill_tokens
 
     def observe_wait(self, predicted_raw_s: float, actual_s: float) -> None:
         """A request's first token came actual_s after it arrived; the uncalibrated model had said
         predicted_raw_s."""
         if max(predicted_raw_s, actual_s) < MIN_CALIBRATION_WAIT_S:
             return
-        ratio = actual_s / max(predicted_raw_s, MIN_CALIBRATION_WAIT_S)
+        self._ratios.append(actual_s / max(predicted_raw_s, MIN_CALIBRATION_WAIT_S))
+        ranked = sorted(self._ratios)
         lo, hi = CALIBRATION_RANGE
-        self.calibration = min(max(self._ema(self.calibration, ratio), lo), hi)
+        self.calibration = min(max(ranked[min(int(CALIBRATION_QUANTILE * len(ranked)), len(ranked) - 1)], lo), hi)
 
 
 def raw_wait_s(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: ServiceRates, now: float,
@@ -199,15 +214,17 @@ class WaitModel:
         # request id -> (its uncalibrated prediction at add, when it was added)
         self._predicted_raw_s: dict[str, tuple[float, float]] = {}
 
-    def on_add(self, request_id: str, scheduler, seq) -> None:
-        """Called after the request's sequences were queued (seq: its first)."""
+    def on_add(self, request_id: str, scheduler, seq, arrived: float) -> None:
+        """Called after the request's sequences were queued (seq: its first); arrived: when the request
+        reached the engine's front (perf_counter), so that the time it took to be queued counts in its
+        actual wait."""
         if not self.rates.measured:
             return
         now = time.perf_counter()  # the clock of the sequences' arrival times
         load = EngineLoad(tuple(seq_load(s) for s in scheduler.running),
                           tuple(seq_load(s) for s in scheduler.waiting if s is not seq and not s.held_back))
         raw = raw_wait_s(load, seq_load(seq), self.max_num_seqs, self.rates, now, self.aging_s)[0]
-        self._predicted_raw_s[request_id] = (raw, now)
+        self._predicted_raw_s[request_id] = (raw, min(arrived, now))
 
     def on_first_token(self, request_id: str, now: float) -> None:
         entry = self._predicted_raw_s.pop(request_id, None)

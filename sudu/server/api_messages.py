@@ -23,7 +23,7 @@ from typing import Annotated, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from sudu.server import protocol as P
 from sudu.server.answer_events import (
@@ -40,34 +40,30 @@ from sudu.server.responses import Call
 from sudu.server.streaming import sse, unless_disconnected
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class TextBlock(_Request):
+class TextBlock(P.RequestModel):
     type: Literal["text"]
     text: str
     cache_control: dict | None = None
 
 
-class ImageBlock(_Request):
+class ImageBlock(P.RequestModel):
     type: Literal["image"]
     source: dict
 
 
-class DocumentBlock(_Request):
+class DocumentBlock(P.RequestModel):
     type: Literal["document"]
     source: dict
 
 
-class ToolUseBlock(_Request):
+class ToolUseBlock(P.RequestModel):
     type: Literal["tool_use"]
     id: str = Field(min_length=1, max_length=256)
     name: str
     input: dict
 
 
-class ToolResultBlock(_Request):
+class ToolResultBlock(P.RequestModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
     content: str | Annotated[list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]],
@@ -75,13 +71,13 @@ class ToolResultBlock(_Request):
     is_error: bool = False
 
 
-class ThinkingBlock(_Request):
+class ThinkingBlock(P.RequestModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Request):
+class RedactedThinkingBlock(P.RequestModel):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -90,12 +86,12 @@ ContentBlock = Annotated[Union[TextBlock, ImageBlock, DocumentBlock, ToolUseBloc
                                RedactedThinkingBlock], Field(discriminator="type")]
 
 
-class InputMessage(_Request):
+class InputMessage(P.RequestModel):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[ContentBlock], Field(max_length=P.MAX_CONTENT_PARTS)]
 
 
-class ToolDefinition(_Request):
+class ToolDefinition(P.RequestModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict | None = Field(None, description="The JSON schema of the tool's input (type object).")
@@ -103,18 +99,18 @@ class ToolDefinition(_Request):
     cache_control: dict | None = None
 
 
-class ToolChoice(_Request):
+class ToolChoice(P.RequestModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class ThinkingConfig(_Request):
+class ThinkingConfig(P.RequestModel):
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = None
 
 
-class _MessagesFields(_Request):
+class _MessagesFields(P.RequestModel):
     model: str | None = Field(None, description="Served model id; omitted -> the served model.")
     messages: list[InputMessage] = Field(..., min_length=1, max_length=P.MAX_MESSAGES)
     system: str | Annotated[list[TextBlock], Field(max_length=P.MAX_CONTENT_PARTS)] | None = None

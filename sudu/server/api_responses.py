@@ -24,7 +24,7 @@ from typing import Annotated, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from sudu.server import protocol as P
 from sudu.server.answer_events import (
@@ -42,20 +42,16 @@ from sudu.server.responses import Call
 from sudu.server.streaming import sse, unless_disconnected
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class TextPart(_Request):
+class TextPart(P.RequestModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class MediaPart(_Request):
+class MediaPart(P.RequestModel):
     type: Literal["input_image", "input_file", "input_audio"]
 
 
-class RefusalPart(_Request):
+class RefusalPart(P.RequestModel):
     type: Literal["refusal"]
     refusal: str
 
@@ -63,30 +59,30 @@ class RefusalPart(_Request):
 Part = Annotated[Union[TextPart, MediaPart, RefusalPart], Field(discriminator="type")]
 
 
-class MessageItem(_Request):
+class MessageItem(P.RequestModel):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: str | Annotated[list[Part], Field(max_length=P.MAX_CONTENT_PARTS)]
 
 
-class FunctionCallItem(_Request):
+class FunctionCallItem(P.RequestModel):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(P.RequestModel):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
     output: str | Annotated[list[Part], Field(max_length=P.MAX_CONTENT_PARTS)]
 
 
-class ReasoningItem(_Request):
+class ReasoningItem(P.RequestModel):
     type: Literal["reasoning"]
 
 
-class ItemReference(_Request):
+class ItemReference(P.RequestModel):
     type: Literal["item_reference"]
     id: str
 
@@ -94,7 +90,7 @@ class ItemReference(_Request):
 InputItem = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem, ItemReference]
 
 
-class Tool(_Request):
+class Tool(P.RequestModel):
     type: str = Field(description="Only \"function\" tools are served.")
     name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
@@ -102,12 +98,12 @@ class Tool(_Request):
     strict: bool | None = None
 
 
-class NamedFunction(_Request):
+class NamedFunction(P.RequestModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Request):
+class TextFormat(P.RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(None, max_length=64)
     schema_: dict | None = Field(None, alias="schema")
@@ -115,16 +111,16 @@ class TextFormat(_Request):
     strict: bool | None = None
 
 
-class TextConfig(_Request):
+class TextConfig(P.RequestModel):
     format: TextFormat | None = None
 
 
-class ReasoningConfig(_Request):
+class ReasoningConfig(P.RequestModel):
     effort: str | None = None
     summary: str | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(P.RequestModel):
     model: str | None = Field(None, description="Served model id; omitted -> the served model.")
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=P.MAX_MESSAGES)]
     instructions: str | None = None

@@ -46,7 +46,13 @@ class _EngineStatsCollector(Collector):
             ("sudu:admission_decode_step_seconds", "admission_decode_step_s",
              "Measured seconds per decode step (moving average; 0 until measured)."),
             ("sudu:admission_calibration", "admission_calibration",
-             "Actual over predicted wait of recent requests (the factor predictions are scaled by)."),
+             "The 90th percentile of recent requests' actual over predicted wait (predictions are scaled by it)."),
+            ("sudu:admission_promises_kept", "admission_promises_kept",
+             "Refused requests that came back after their Retry-After while their place was kept."),
+            ("sudu:admission_promises_expired", "admission_promises_expired",
+             "Refused requests that did not come back while their place was kept."),
+            ("sudu:admission_show_rate", "admission_show_rate",
+             "Moving share of refused requests that come back: the share of promised work counted ahead."),
         ):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
         for name, key, doc in (

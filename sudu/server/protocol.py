@@ -29,32 +29,32 @@ TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
     # extra="ignore": OpenAI clients send fields sudu does not implement (logit_bias, tools, ...);
     # allow_inf_nan=False: NaN/inf never reach sampling
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class JSONSchemaFormat(_Request):
+class JSONSchemaFormat(RequestModel):
     name: str = Field("response", max_length=64)
     description: str | None = None
     schema_: dict | bool | None = Field(None, alias="schema", description="The JSON schema; omitted -> any JSON object.")
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = Field(False, description="Send a final chunk with usage (and choices: []).")
     continuous_usage_stats: bool = Field(
         False, description="sudu extension (vLLM's name): running usage on every content chunk."
     )
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestModel):
     """Fields shared by chat and text completions."""
 
     model: str | None = Field(None, description="Served model id; omitted -> the served model.")
@@ -95,7 +95,7 @@ class _SamplingFields(_Request):
         None, description="sudu extension: a Lark grammar (llguidance's dialect) or a GBNF grammar (rules with ::=).")
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
@@ -103,18 +103,18 @@ class TextPart(_Request):
 MessageContent = Union[str, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]]
 
 
-class FunctionCall(_Request):
+class FunctionCall(RequestModel):
     name: str
     arguments: str = Field(description="The arguments as a JSON object, in a string (OpenAI's shape).")
 
 
-class ToolCall(_Request):
+class ToolCall(RequestModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: MessageContent | None = Field(None, description="A string or an array of text parts.")
     name: str | None = None
@@ -123,23 +123,23 @@ class ChatMessage(_Request):
     tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict | None = Field(None, description="A JSON schema of the arguments; omitted -> no arguments.")
     strict: bool | None = None
 
 
-class Tool(_Request):
+class Tool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Request):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
