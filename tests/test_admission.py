@@ -102,11 +102,13 @@ def test_speed_is_measured_from_steps_and_calibrated_on_actual_waits():
     r.observe_step(num_decodes=0, num_prefill_tokens=100, seconds=1.0)  # prompt only: 0.01 s/token
     r.observe_step(num_decodes=4, num_prefill_tokens=0, seconds=0.1)  # decode only: 0.1 s/step
     assert r.measured and r.prefill_s_per_token == pytest.approx(0.01) and r.decode_step_s == pytest.approx(0.1)
-    r.observe_step(num_decodes=2, num_prefill_tokens=10, seconds=0.3)  # mixed: 0.3 - 0.1 = 0.2 s for 10 tokens
-    # weighed by tokens: (0.8 * 1 s + 0.2 s) / (0.8 * 100 + 10 tokens), not the ratio 0.02 s/token at a fifth
-    assert r.prefill_s_per_token == pytest.approx(1.0 / 90)
-    r.observe_step(num_decodes=8, num_prefill_tokens=1, seconds=0.5)  # a noisy mixed step: 0.4 s for one token
-    assert r.prefill_s_per_token == pytest.approx((0.8 * 1.0 + 0.4) / (0.8 * 90 + 1))
+    r.observe_step(num_decodes=2, num_prefill_tokens=40, seconds=0.3)  # mixed: 0.3 - 0.1 = 0.2 s for 40 tokens
+    # weighed by tokens: (0.8 * 1 s + 0.2 s) / (0.8 * 100 + 40 tokens), not the two steps' rates averaged
+    assert r.prefill_s_per_token == pytest.approx(1.0 / 120)
+    r.observe_step(num_decodes=8, num_prefill_tokens=1, seconds=0.5)  # 0.4 s for one token: mostly noise
+    assert r.prefill_s_per_token == pytest.approx(1.0 / 120)  # too few tokens to say anything: not observed
+    r.observe_step(num_decodes=8, num_prefill_tokens=40, seconds=0.5)  # 0.4 s for 40 tokens
+    assert r.prefill_s_per_token == pytest.approx((0.8 * 1.0 + 0.4) / (0.8 * 120 + 40))
     r.observe_wait(predicted_raw_s=1.0, actual_s=3.0)
     assert r.calibration == pytest.approx(3.0)  # one ratio: it is its own 90th percentile
     for _ in range(100):

@@ -41,6 +41,10 @@ CALIBRATION_RANGE = (0.5, 4.0)  # the actual/predicted factor is kept within thi
 CALIBRATION_QUANTILE = 0.9
 CALIBRATION_WINDOW = 64
 MIN_CALIBRATION_WAIT_S = 0.05  # waits shorter than this are noise against the step time: not calibrated on
+# a mixed step with fewer prompt tokens than this says little about the prompt rate: what it took beyond a
+# decode step is mostly the step's own noise and a new sequence's fixed costs, which divided by a few tokens
+# would read as a rate tens of times the real one
+MIN_PREFILL_TOKENS_OBSERVED = 32
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,8 @@ class ServiceRates:
         if num_prefill_tokens == 0:
             if num_decodes:
                 self.decode_step_s = self._ema(self.decode_step_s, seconds)
+            return
+        if num_prefill_tokens < MIN_PREFILL_TOKENS_OBSERVED:
             return
         if num_decodes == 0:
             extra = seconds
