@@ -48,11 +48,13 @@ def patch_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Tens
     """Each patch's (row, column) in its image, patches listed merge x merge group by group: [N, 2]."""
     out = []
     for t, h, w in grids:
-        rows = torch.arange(h)[:, None].expand(h, w)
-        cols = torch.arange(w)[None, :].expand(h, w)
         shape = (h // merge, merge, w // merge, merge)
-        rc = torch.stack([rows.reshape(shape).transpose(1, 2).reshape(-1), cols.reshape(shape).transpose(1, 2).reshape(-1)], -1)
-        out.append(rc.repeat(t, 1))
+
+        def grouped(grid: torch.Tensor) -> torch.Tensor:  # row-major -> merge groups adjacent
+            return grid.reshape(shape).transpose(1, 2).reshape(-1)
+
+        rows, cols = torch.arange(h)[:, None].expand(h, w), torch.arange(w)[None, :].expand(h, w)
+        out.append(torch.stack([grouped(rows), grouped(cols)], -1).repeat(t, 1))
     return torch.cat(out)
 
 
