@@ -137,3 +137,49 @@ def test_int8_quantizes_the_vision_tower_too(vlm):
                 tokens.extend(out.outputs[0].token_ids)
         answers.append(tokens)
     assert len(answers[0]) == 12 and answers[0] != answers[1]
+
+
+def run_engine(engine, rid: str, ids, placed) -> tuple[list[int], int, int]:
+    """(greedy tokens, cached prompt tokens, of those from disk) of one request run to its end."""
+    from sudu.sampling import SamplingParams
+
+    engine.add_request(rid, engine.check_request(ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                                 placed))
+    tokens, cached, disk = [], 0, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids)
+            cached, disk = out.num_cached_tokens, out.num_cached_tokens_disk
+    return tokens, cached, disk
+
+
+def test_disk_tier_serves_a_repeated_image_and_never_another(vlm, tmp_path):
+    """After a restart, the same image's prompt is served from the disk tier through the image (same tokens);
+    another image in the same place is not served past the image's first position."""
+    from sudu.config import EngineConfig
+    from sudu.engine.llm_engine import LLMEngine
+
+    def engine():
+        return LLMEngine(EngineConfig(model=str(vlm[0]), max_model_len=1024, kv_cache_memory=8 << 20,
+                                      speculative="none", disk_cache_size="64MiB", disk_cache_dir=str(tmp_path)),
+                         progress=False)
+
+    text = PROMPT.format(images=PLACEHOLDER) + "The picture shows"
+    first = engine()
+    ids, placed = sudu_prompt(first.image_processor, first.tokenizer, text, [random_image(100, 70, seed=1)])
+    other_ids, other = sudu_prompt(first.image_processor, first.tokenizer, text, [random_image(100, 70, seed=2)])
+    assert other_ids == ids  # the same tokens: only the image's hash tells the prompts apart
+    cold, _, _ = run_engine(first, "cold", ids, placed)
+    other_cold, _, _ = run_engine(first, "other-cold", other_ids, other)
+    first.close()
+    restarted = engine()
+    image_end = placed[0].offset + placed[0].num_tokens
+    tokens, cached, disk = run_engine(restarted, "warm", ids, placed)
+    assert tokens == cold and disk == cached >= image_end
+    # the other image's blocks are on disk too (it ran above); a third image finds none of them
+    third_ids, third = sudu_prompt(restarted.image_processor, restarted.tokenizer, text,
+                                   [random_image(100, 70, seed=3)])
+    _, cached, _ = run_engine(restarted, "third", third_ids, third)
+    assert cached <= placed[0].offset
+    tokens, cached, _ = run_engine(restarted, "other-warm", other_ids, other)
+    assert tokens == other_cold and cached >= image_end
