@@ -92,6 +92,9 @@ class EngineConfig:
     # linears as bfloat16 (AMX) or float32 (AVX2) GEMMs and their attention in bfloat16, faster prompts whose
     # numbers depend on the chunk's row count (the price and gain: docs/exactness.md)
     fast_math: bool = False
+    # vision-language models: bytes of image embeddings kept by content hash (engine/vision_inputs.py), so an
+    # image sent again (the next turn of a conversation, the same screenshot) is not encoded again
+    encoder_cache_memory: int = 256 << 20
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 
@@ -138,6 +141,8 @@ class EngineConfig:
                     raise ValueError
             except ValueError:
                 raise ValueError(f"disk_cache_size must be 0, auto or a size such as 8GiB, got {self.disk_cache_size!r}") from None
+        if self.encoder_cache_memory < 0:
+            raise ValueError("encoder_cache_memory must be >= 0 (0 = every image encoded each time it is sent)")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -176,7 +181,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if "bool" in kind:
             parse = _parse_bool
-        elif f.name == "kv_cache_memory":
+        elif f.name in ("kv_cache_memory", "encoder_cache_memory"):
             parse = _parse_bytes
         elif "int" in kind:
             parse = int

@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek2")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek2",
+                           "qwen2_5_vl")
 # config.json model_type -> architecture
 MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3",
                "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "deepseek_v2": "deepseek2",
-               "deepseek_v3": "deepseek2"}
+               "deepseek_v3": "deepseek2", "qwen2_5_vl": "qwen2_5_vl", "qwen2_5_vl_text": "qwen2_5_vl"}
 
 
 @dataclass
@@ -62,6 +63,12 @@ class ModelConfig:
     # beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor)
     rope_yarn: dict | None = None
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers stored after the decoder layers
+    # multimodal rotary (Qwen2-VL family): the rotary channel pairs given to the temporal, height and width
+    # position, in that order (sums to head_dim / 2); None: one position per token
+    mrope_section: list[int] | None = None
+    # a vision-language model: its vision tower's config.json section and the prompt's image placeholder id
+    vision_config: dict | None = None
+    image_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
 
@@ -99,6 +106,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
         """Build from a Hugging Face config.json dict (text config for multimodal wrappers)."""
+        outer = cfg
         cfg = dict(cfg.get("text_config", cfg)) if "text_config" in cfg else dict(cfg)
         model_type = cfg.get("model_type", "")
         arch = MODEL_TYPES.get(model_type)
@@ -107,9 +115,11 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
         kwargs["architecture"] = arch
-        if arch in ("qwen2", "qwen2moe"):
+        if arch in ("qwen2", "qwen2moe", "qwen2_5_vl"):
             kwargs["attention_bias"] = True
-        if arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "mixtral", "deepseek2", "llama"):
+        if arch == "qwen2_5_vl":
+            _vision_fields(outer, cfg, kwargs)
+        if arch in ("qwen2", "qwen2moe", "qwen2_5_vl", "qwen3", "qwen3moe", "mixtral", "deepseek2", "llama"):
             # qwen ships sliding_window with use_sliding_window=false; the others attend globally
             kwargs.pop("sliding_window", None)
             kwargs.pop("layer_types", None)
@@ -143,6 +153,19 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(**kwargs)
+
+
+def _vision_fields(outer: dict, text: dict, kwargs: dict) -> None:
+    """A vision-language checkpoint's vision tower, image placeholder and multimodal rotary: config.json keeps
+    them next to the text config (transformers >= 5 nests that in text_config; older files inline it)."""
+    if not isinstance(outer.get("vision_config"), dict):
+        raise ValueError("a vision-language config.json needs its vision_config")
+    kwargs["vision_config"] = dict(outer["vision_config"])
+    kwargs["image_token_id"] = outer.get("image_token_id", text.get("image_token_id"))
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or outer.get("rope_scaling") or {}
+    kwargs["mrope_section"] = list(rope.get("mrope_section", [16, 24, 24]))
+    if "tie_word_embeddings" in outer:
+        kwargs["tie_word_embeddings"] = bool(outer["tie_word_embeddings"])
 
 
 def _moe_fields(arch: str, cfg: dict, kwargs: dict) -> None:

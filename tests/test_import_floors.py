@@ -25,6 +25,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("quant and GPU kernels", ("sudu.quant", "sudu.cuda", "sudu.ops")),
     ("CPU kernels", ("sudu.kernels",)),
     ("weights", ("sudu.weights",)),
+    ("media", ("sudu.media",)),
     ("base", ("sudu.tokenizer", "sudu.config", "sudu.model_config", "sudu.sampling", "sudu.errors", "sudu.paths",
               "sudu.host")),
 ]

@@ -239,7 +239,7 @@ def test_responses_json_schema_text_format(oai):
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, 400,
-     "input.0.content.0"),
+     "messages.0.content.0.image_url"),  # a text-only model: the image part of the chat request it becomes
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.0"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, 400, "tools"),
     ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]}, 400, "messages"),

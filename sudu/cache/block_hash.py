@@ -29,6 +29,23 @@ def block_hash(parent: bytes, token_ids) -> bytes:
     return hashlib.blake2b(parent + struct.pack(f"<{len(token_ids)}I", *token_ids), digest_size=HASH_BYTES).digest()
 
 
+# marks the start of an image's entry after a block's token ids (not a token id: vocabularies stay far below it)
+IMAGE_MARK = 0xFFFFFFFF
+
+
+def block_key(token_ids, b: int, block_size: int, images=()) -> tuple[int, ...]:
+    """What block b of a prompt is named by: its token ids, then for every image whose placeholder tokens
+    overlap the block (images: objects with .offset, .num_tokens and a 16-byte .content_hash) IMAGE_MARK, the
+    image's first position and its content hash as four uint32. Two prompts with the same tokens and different
+    images at the same place differ from the first block that holds any of the image's tokens."""
+    start, end = b * block_size, (b + 1) * block_size
+    key = tuple(token_ids[start:end])
+    for image in images:
+        if image.offset < end and image.offset + image.num_tokens > start:
+            key += (IMAGE_MARK, image.offset, *struct.unpack("<4I", image.content_hash[:16]))
+    return key
+
+
 def prefix_hashes(namespace: bytes, token_ids, block_size: int, num_blocks: int) -> list[bytes]:
     """Ids of the first num_blocks full blocks of token_ids."""
     out, parent = [], namespace

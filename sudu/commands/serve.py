@@ -8,6 +8,7 @@ import sys
 import threading
 
 from sudu.config import DEFAULT_MODEL, add_engine_args, engine_config_from_args
+from sudu.media.limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 from sudu.server.limits import ServerLimits
 
 
@@ -44,6 +45,15 @@ def register_cli(subparsers) -> None:
                    help="threads that render chat templates and tokenize, off the event loop (default: 2)")
     p.add_argument("--prepare-queue", type=int, default=ServerLimits.prepare_queue,
                    help="requests waiting for such a thread before new ones get 429 (default: 64)")
+    p.add_argument("--allowed-media-domains", default="", metavar="DOMAINS",
+                   help="comma-separated hosts (and their subdomains) image URLs may be fetched from; default: none, "
+                   "images come as data: URLs only")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+                   help=f"larger images get 413 (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help=f"images with more pixels (width x height) get 413 (default: {DEFAULT_MAX_IMAGE_PIXELS})")
+    p.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES,
+                   help=f"requests with more images get 400 (default: {DEFAULT_MAX_IMAGES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--record-trace", default=None, metavar="FILE",
                    help="write a trace of the traffic for `sudu bench replay`: per request its arrival, lengths and "
@@ -55,6 +65,16 @@ def register_cli(subparsers) -> None:
     add_cluster_args(p)
     p.set_defaults(disk_cache_size="auto")  # a server keeps its context cache on disk; tests and the API opt in
     p.set_defaults(func=run_serve)
+
+
+def media_policy(args: argparse.Namespace):
+    """--allowed-media-domains and the image limits as the server's MediaPolicy."""
+    from sudu.server.media_input import MediaPolicy
+
+    if min(args.max_image_bytes, args.max_image_pixels, args.max_images_per_request) < 1:
+        raise ValueError("--max-image-bytes, --max-image-pixels and --max-images-per-request must be >= 1")
+    domains = tuple(d.strip().lower().rstrip(".") for d in args.allowed_media_domains.split(",") if d.strip())
+    return MediaPolicy(domains, ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images_per_request))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -110,8 +130,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     limits = ServerLimits(max_request_bytes=args.max_request_bytes, prepare_workers=args.prepare_workers,
                           prepare_queue=args.prepare_queue)
+    media = media_policy(args)
     app = build_app(load_engine=load_engine, served_model_name=args.served_model_name, api_key=api_key,
-                    shutdown_timeout_s=args.shutdown_timeout, limits=limits, on_load_error=on_load_error,
+                    shutdown_timeout_s=args.shutdown_timeout, limits=limits, media=media, on_load_error=on_load_error,
                     on_engine_failure=on_engine_failure)
     if cluster is not None:
         cluster.install(app)

@@ -128,10 +128,16 @@ class AsyncLLMEngine:
     def is_full(self) -> bool:
         return self.num_unfinished() >= self.config.max_num_seqs + self.max_queue_len
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, images: tuple = ()
+                      ) -> CheckedRequest:
         """Raise RequestTooLongError / ValueError now for a request that can never run. Reads only what
-        is fixed at load, so any thread may call it."""
-        return self.engine.check_request(prompt_token_ids, params)
+        is fixed at load, so any thread may call it. images: a vision-language prompt's (media.image.ImageInput)."""
+        return self.engine.check_request(prompt_token_ids, params, images)
+
+    @property
+    def image_processor(self):
+        """The model's image preprocessing (media/), or None for a model without vision."""
+        return self.engine.image_processor
 
     def try_admit(self, request_id: str, request: CheckedRequest, priority: int = 0) -> WaitPrediction:
         """Predict the request's wait (uncached prompt from the context cache's lookup, the queue ahead of
@@ -141,7 +147,7 @@ class AsyncLLMEngine:
         max_tokens, priority) coming back after its Retry-After is predicted, and queued, from its first
         arrival. Any thread; the prompt's lookup hashes it, so a worker's."""
         ids = request.prompt_token_ids
-        cached = self.engine.block_manager.cached_prefix_tokens(ids)
+        cached = self.engine.block_manager.cached_prefix_tokens(ids, request.images)
         key = hash((tuple(ids), request.max_tokens, priority))
         now = time.perf_counter()
         with self._admission_lock:

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from sudu.cache.block_hash import HASH_BYTES, block_hash
+from sudu.cache.block_hash import HASH_BYTES, block_hash, block_key
 from sudu.cache.block_io import KVBlockIO
 from sudu.cache.context import engine_namespace, open_disk_store
 from sudu.cache.disk_store import DiskStats
@@ -199,7 +199,9 @@ class BlockManager:
 
     # ---- ids ---------------------------------------------------------------------------------------
     def _block_ids(self, seq: Sequence, b: int) -> tuple[int, ...]:
-        return tuple(seq.token_ids[b * self.block_size:(b + 1) * self.block_size])
+        """What block b's id is hashed from and checked against: its token ids, and the content hash of any
+        image whose placeholder tokens fall in it (cache/block_hash.py block_key)."""
+        return block_key(seq.token_ids, b, self.block_size, seq.images)
 
     def hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Ids of the sequence's first num_blocks full blocks (memoised on the sequence: its tokens only
@@ -213,7 +215,7 @@ class BlockManager:
         return hashes[b - 1] if b else self.namespace
 
     # ---- prefix lookup -----------------------------------------------------------------------------
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: list[int], images: tuple = ()) -> int:
         """Tokens of the leading full blocks of a prompt that a prefix lookup would find now, in RAM or in
         the disk tier's index, without taking them: an estimate for scheduling and admission (an entry may
         be evicted before the sequence runs). Reads only, so any thread may call it."""
@@ -222,7 +224,7 @@ class BlockManager:
         num_full = (len(token_ids) - 1) // self.block_size
         parent, found = self.namespace, 0
         for b in range(num_full):
-            ids = tuple(token_ids[b * self.block_size:(b + 1) * self.block_size])
+            ids = block_key(token_ids, b, self.block_size, images)
             parent = block_hash(parent, ids)
             if self.pool.lookup(parent, ids) is None and not (self.disk is not None and self.disk.has(parent)):
                 break

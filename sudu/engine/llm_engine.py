@@ -31,8 +31,10 @@ from sudu.engine.memory import memory_report, prefault_kv
 from sudu.host.memory import release_freed_memory, rss_bytes
 from sudu.engine.spec.controller import Speculator, resolve_drafter
 from sudu.engine.spec.verify import Draft
+from sudu.engine.vision_inputs import check_images
 from sudu.engine.wait_predictor import WaitModel
 from sudu.layers.device_sampler import DeviceSampler
+from sudu.media.processors import image_processor
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
 from sudu.sampling import SamplingParams
 from sudu.structured.backend import GrammarBackend
@@ -80,6 +82,7 @@ class LLMEngine:
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.model_path = ckpt.path
+        self.image_processor = image_processor(ckpt.config, ckpt.preprocessor)  # None: a text-only model
         model, self.quantization = prepare_network(ckpt, config)
         limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
@@ -150,17 +153,21 @@ class LLMEngine:
             )
         return params.max_tokens
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, images: tuple = ()
+                      ) -> CheckedRequest:
         """Raise RequestTooLongError / ValueError for a request that can never run; else the request
-        with its token budget resolved, which add_request takes without checking it again."""
+        with its token budget resolved, which add_request takes without checking it again. images: the
+        prompt's images (media.image.ImageInput) at their runs of placeholder tokens."""
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if images:
+            check_images(prompt_token_ids, images, self.model_config.image_token_id, self.runner.vision is not None)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
         if params.grammar is not None:
             self.grammar_backend.check(params.grammar)
-        return CheckedRequest(list(prompt_token_ids), params, max_tokens)
+        return CheckedRequest(list(prompt_token_ids), params, max_tokens, tuple(images))
 
     def add_request(
         self,
@@ -182,7 +189,7 @@ class LLMEngine:
             prompt = self.check_request(prompt_ids, params or SamplingParams())
         prompt_ids, params, max_tokens = prompt.prompt_token_ids, prompt.params, prompt.max_tokens
         now = time.perf_counter() if arrival_time is None else arrival_time
-        num_cached = self.block_manager.cached_prefix_tokens(prompt_ids)
+        num_cached = self.block_manager.cached_prefix_tokens(prompt_ids, prompt.images)
         seqs = []
         for index in range(params.n):
             seq = Sequence(
@@ -196,6 +203,8 @@ class LLMEngine:
                 seq.seed = params.seed + index
             else:
                 seq.seed = int(torch.randint(1 << 62, (), generator=self.sequence_seeds))
+            if prompt.images:
+                self.runner.vision.attach(seq, prompt.images)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             if params.grammar is not None:
                 seq.grammar = self.grammar_backend.matcher(params.grammar)

@@ -14,6 +14,7 @@ from sudu.cuda.step import CudaStep, uses_cuda_path
 from sudu.engine.text_eval import final_hidden, forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.engine.placement import resolve_device, resolve_dtype
+from sudu.engine.vision_inputs import VisionInputs
 from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
 from sudu.layers import bounded_head, linear
@@ -132,6 +133,9 @@ class ModelRunner:
         # with --fast-math, prompt chunks' attention in bfloat16 where their linears run as bfloat16 GEMMs
         with linear.prefill_path_as(self.prefill_path[1], self.prefill_path[0]):
             self.prefill_sdpa_dtype = prefill_attention_dtype(model) if self.device.type == "cpu" else None
+        # a vision-language network's images: encoder cache, image rows, multimodal positions
+        self.vision = (VisionInputs(model, config.encoder_cache_memory)
+                       if getattr(model, "POSITION_AXES", 1) == 3 else None)
         self.keep_hidden = False  # set by a drafter that reads the target's hidden states (MTP)
         self.last_hidden: torch.Tensor | None = None
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
@@ -204,19 +208,27 @@ class ModelRunner:
         With keep_hidden set, the step's final hidden states [new tokens, hidden] stay in last_hidden."""
         ids, positions, q_lens, ends, sample_rows = flat_batch(scheduled)
         if self.cuda_step is not None:
-            if hidden_in is None and not self.keep_hidden:
+            if hidden_in is None and not self.keep_hidden and self.vision is None:
                 logits = self.cuda_step.decode(scheduled, ids, positions)
                 if logits is not None:
                     return logits
             meta = self.cuda_step.metadata(scheduled, q_lens, ends)
         else:
             meta = self._metadata(scheduled, q_lens, ends)
-        ids_t, positions_t = torch.tensor(ids), torch.tensor(positions)
+        ids_t = torch.tensor(ids)
+        inputs = {}
+        if self.vision is not None:  # images encoded (or found in the encoder cache) before the pass that reads them
+            positions_t = self.vision.positions(scheduled)
+            image_rows = self.vision.image_rows(scheduled, self.vision.embeddings(scheduled, self.device, self.dtype))
+            if image_rows is not None:
+                inputs["image_rows"] = tuple(t.to(self.device) for t in image_rows)
+        else:
+            positions_t = torch.tensor(positions)
         if self.device.type != "cpu":  # one copy of the step's metadata
             meta = meta.to(self.device)
             ids_t, positions_t = ids_t.to(self.device), positions_t.to(self.device)
         with linear.prefill_path_as(self.prefill_path[1], self.prefill_path[0]):
-            hidden = (self.model(ids_t, positions_t, meta) if hidden_in is None
+            hidden = (self.model(ids_t, positions_t, meta, **inputs) if hidden_in is None
                       else self.model(ids_t, positions_t, meta, hidden_in))
         if self.keep_hidden:
             self.last_hidden = hidden

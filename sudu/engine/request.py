@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sudu.media.image import ImageInput
 from sudu.sampling import SamplingParams
 
 
@@ -13,3 +14,4 @@ class CheckedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens, or the rest of the context
+    images: tuple[ImageInput, ...] = ()  # a vision-language prompt's images, at their placeholder tokens

@@ -55,6 +55,9 @@ class Sequence:
     stop_reason: str | int | None = None
     held_back: bool = False  # n > 1 siblings wait until the first choice's prompt is in the cache
     num_cached_at_arrival: int = 0  # prompt tokens the context cache held when it arrived (an estimate)
+    images: tuple = ()  # the prompt's images (media.image.ImageInput), in prompt order
+    # multimodal rotary: (positions [3, num_prompt_tokens], the shift of every later token's position)
+    mrope: tuple | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -63,6 +63,33 @@ class RotaryEmbedding:
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary (Qwen2-VL family): a token has a (temporal, height, width) position triple, and the
+    rotary channel pairs are split in `sections` consecutive runs, the i-th run turning with the (i mod 3)-th
+    coordinate. A text token's three coordinates are equal, which makes it plain rotary."""
+
+    def __init__(self, head_dim: int, base: float, max_positions: int, sections: list[int]):
+        super().__init__(head_dim, base, max_positions)
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {sections} must sum to head_dim / 2 = {head_dim // 2}")
+        cpu = torch.device("cpu")
+        self.axis = torch.tensor([i % 3 for i, n in enumerate(sections) for _ in range(n)], device=cpu)
+        self.channels = torch.arange(head_dim // 2, device=cpu)
+
+    def to(self, device: torch.device) -> MRotaryEmbedding:
+        super().to(device)
+        self.axis, self.channels = self.axis.to(device), self.channels.to(device)
+        return self
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [3, T] coordinates, or [T] (text: the same position on all three). cos/sin [T, head_dim]."""
+        if positions.dim() == 1:
+            return super().lookup(positions, dtype)
+        rows = positions[self.axis].T  # [T, head_dim / 2]: the coordinate each channel pair turns with
+        cos, sin = self.cos[rows, self.channels], self.sin[rows, self.channels]
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
     half = x.shape[-1] // 2

@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3moe": ("qwen3moe", "Qwen3MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "deepseek2": ("deepseek2", "DeepseekV2ForCausalLM"),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

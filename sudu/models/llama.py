@@ -186,6 +186,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] (all sequences' new tokens, flat). Returns final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
+        return self.decode_layers(x, cos, sin, meta)
+
+    def decode_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+                      ) -> torch.Tensor:
+        """The decoder stack over input embeddings x [T, hidden] with their rotary cos/sin [T, head_dim]: the final
+        hidden states (what forward returns after embedding; vision-language networks enter here too)."""
         out = self._decode_natively(x, cos, sin, meta)
         if out is not None:
             return out

@@ -10,8 +10,9 @@ blocks -> tool calls; earlier `thinking` blocks are dropped (thinking templates 
 themselves); `tools[].input_schema` -> function parameters; `tool_choice` auto / any / tool / none ->
 auto / required / the named function / none, `disable_parallel_tool_use` -> one call at most;
 `thinking.type` enabled / disabled -> the template's `enable_thinking`; `stop_sequences` -> stop.
-Refused with a 400: image and document blocks (sudu serves text models), server tools (a tool with a
-`type` other than "custom"). Usage: `input_tokens` are the prompt tokens the context cache did not
+A user turn's image blocks (base64 or url sources) -> image_url parts in place among its text (served by
+vision-language models: server/media_input.py). Refused with a 400: document blocks, images outside user turns,
+server tools (a tool with a `type` other than "custom"). Usage: `input_tokens` are the prompt tokens the context cache did not
 serve, `cache_read_input_tokens` the ones it did, `cache_creation_input_tokens` is 0 (sudu caches every
 prompt without being asked)."""
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from functools import partial
 from typing import Annotated, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
@@ -147,7 +149,7 @@ class AnthropicError(BaseModel):
     error: AnthropicErrorDetail
 
 
-_ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 404, 413, 429, 500, 503)}
+_ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 403, 404, 413, 429, 500, 503)}
 
 
 def _text_of(blocks, where: str) -> str:
@@ -164,6 +166,16 @@ def _text_of(blocks, where: str) -> str:
     return "\n".join(parts)
 
 
+def _image_part(source: dict, where: str) -> dict:
+    """An image block's source as a chat image_url part: base64 data as a data: URL, or its url."""
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str):
+        return {"type": "image_url", "image_url": {"url": f"data:{source.get('media_type', '')};base64,{source['data']}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise invalid("an image source must be {type: base64, media_type, data} or {type: url, url}", where)
+
+
 def _refused_block(kind: str, where: str):
     return invalid(f"{kind} blocks are not supported: this server's model takes text only", where)
 
@@ -177,10 +189,13 @@ def to_chat_messages(body: _MessagesFields) -> list[dict]:
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        texts, calls = [], []
+        texts, calls, images = [], [], []  # images: (index in texts, an image_url part)
         for j, block in enumerate(message.content):
             where = f"messages.{i}.content.{j}"
             kind = block.type
+            if kind == "image" and message.role == "user":
+                images.append((len(texts), _image_part(block.source, f"{where}.source")))
+                continue
             if kind in ("image", "document"):
                 raise _refused_block(kind, where)
             if kind == "text":
@@ -204,6 +219,11 @@ def to_chat_messages(body: _MessagesFields) -> list[dict]:
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+        elif images:
+            parts = [{"type": "text", "text": t} for t in texts]
+            for at, part in reversed(images):
+                parts.insert(at, part)
+            out.append({"role": "user", "content": parts})
         elif texts or not any(b.type == "tool_result" for b in message.content):
             out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -410,7 +430,7 @@ def messages_routes(state, admit) -> APIRouter:
     async def create_message(body: MessagesRequest, request: Request):
         received_at = time.perf_counter()
         chat = to_chat_request(body)
-        prepared, model = await admit(state, chat, prepare_chat)
+        prepared, model = await admit(state, chat, partial(prepare_chat, media=state.media))
         call = MessageCall(Call(state.engine, state.metrics, prepared, model, "message", received_at, draining), body)
         if body.stream:
             return sse(call.stream())
@@ -419,12 +439,12 @@ def messages_routes(state, admit) -> APIRouter:
     @router.post("/messages/count_tokens", operation_id="count_message_tokens", tags=["anthropic"],
                  summary="The prompt tokens a Messages request would take", responses=_ERRORS)
     async def count_tokens(body: CountTokensRequest):
-        count, _ = await admit(state, to_chat_request(body), _count, generates=False)
+        count, _ = await admit(state, to_chat_request(body), partial(_count, media=state.media), generates=False)
         return {"input_tokens": count}
 
     return router
 
 
-def _count(engine, chat: P.ChatCompletionRequest) -> int:
+def _count(engine, chat: P.ChatCompletionRequest, media) -> int:
     """The prompt's tokens, rendered and checked exactly as a generation would be."""
-    return len(prepare_chat(engine, chat).jobs[0].prompt_ids)
+    return len(prepare_chat(engine, chat, media).jobs[0].prompt_ids)

@@ -12,14 +12,16 @@ past reasoning themselves). `tools` of type function -> chat tools, `tool_choice
 engine), `reasoning.effort` "none" / "minimal" -> the template's `enable_thinking: false`, any other
 effort -> true. `store` (default true) keeps the conversation, answer included, in the response store
 (response_store.py); `previous_response_id` continues it with only the new items, as OpenAI's API does
-(the earlier `instructions` are not carried over). Refused with a 400: image and file inputs, tools
-other than functions, `background`, `conversation`, `item_reference` items. An unknown or expired
+(the earlier `instructions` are not carried over). A message's `input_image` parts (image_url: a data: or an
+allowed http(s) URL) -> chat image_url parts (vision-language models: server/media_input.py). Refused with a
+400: file and audio inputs, images given by file id, tools other than functions, `background`, `conversation`, `item_reference` items. An unknown or expired
 `previous_response_id` is a 404."""
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from functools import partial
 from typing import Annotated, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
@@ -47,8 +49,15 @@ class TextPart(P.RequestModel):
     text: str
 
 
+class ImagePart(P.RequestModel):
+    type: Literal["input_image"]
+    image_url: str | None = Field(None, description="A data: URL, or an http(s) URL from --allowed-media-domains.")
+    file_id: str | None = None
+    detail: str | None = None
+
+
 class MediaPart(P.RequestModel):
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_file", "input_audio"]
 
 
 class RefusalPart(P.RequestModel):
@@ -56,7 +65,7 @@ class RefusalPart(P.RequestModel):
     refusal: str
 
 
-Part = Annotated[Union[TextPart, MediaPart, RefusalPart], Field(discriminator="type")]
+Part = Annotated[Union[TextPart, ImagePart, MediaPart, RefusalPart], Field(discriminator="type")]
 
 
 class MessageItem(P.RequestModel):
@@ -152,9 +161,26 @@ def _text(content, where: str) -> str:
     parts = []
     for j, part in enumerate(content):
         if part.type in ("input_image", "input_file", "input_audio"):
-            raise invalid(f"{part.type} is not supported: this server's model takes text only", f"{where}.{j}")
+            raise invalid(f"{part.type} is not supported here: only message content takes images", f"{where}.{j}")
         parts.append(part.refusal if part.type == "refusal" else part.text)
     return "\n".join(parts)
+
+
+def _content(content, where: str) -> str | list[dict]:
+    """A message's content: its text, or with input_image parts chat content parts (text and image_url)."""
+    if isinstance(content, str) or not any(part.type == "input_image" for part in content):
+        return _text(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type == "input_image":
+            if not part.image_url:
+                raise invalid("input_image needs an image_url (file ids are not supported)", f"{where}.{j}.image_url")
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        elif part.type in ("input_file", "input_audio"):
+            raise invalid(f"{part.type} is not supported: this server's model takes text and images", f"{where}.{j}")
+        else:
+            parts.append({"type": "text", "text": part.refusal if part.type == "refusal" else part.text})
+    return parts
 
 
 def input_messages(body: ResponsesRequest) -> list[dict]:
@@ -165,7 +191,7 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     for i, item in enumerate(body.input):
         where = f"input.{i}"
         if isinstance(item, MessageItem):
-            out.append({"role": item.role, "content": _text(item.content, f"{where}.content")})
+            out.append({"role": item.role, "content": _content(item.content, f"{where}.content")})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             last = out[-1] if out else None
@@ -441,7 +467,7 @@ def responses_routes(state, admit, store: ResponseStore | None = None) -> APIRou
                 raise _not_found(body.previous_response_id, "previous_response_id")
             history = stored.messages
         chat, conversation = to_chat_request(body, history)
-        prepared, model = await admit(state, chat, prepare_chat)
+        prepared, model = await admit(state, chat, partial(prepare_chat, media=state.media))
         call = ResponseCall(Call(state.engine, state.metrics, prepared, model, "response", received_at, draining),
                             body, conversation, store)
         if body.stream:

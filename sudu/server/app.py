@@ -26,6 +26,7 @@ from sudu.server.auth import api_key_dependency
 from sudu.server.engine_protocol import ServingEngine
 from sudu.server.errors import install_error_handlers
 from sudu.server.limits import BodySizeLimit, PreparePool, ServerLimits
+from sudu.server.media_input import MediaPolicy
 from sudu.server.metrics import ServerMetrics
 from sudu.server.routes import _admit, api_routes, open_routes
 from sudu.server.state import ServerState
@@ -43,6 +44,7 @@ def build_app(
     api_key: str | None = None,
     shutdown_timeout_s: float = 30.0,
     limits: ServerLimits = ServerLimits(),
+    media: MediaPolicy = MediaPolicy(),
     on_load_error: Callable[[BaseException], None] | None = None,
     on_engine_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
@@ -54,7 +56,7 @@ def build_app(
     state = ServerState(
         engine=None, served_model_name=served_model_name, api_key=api_key, shutdown_timeout_s=shutdown_timeout_s,
         metrics=ServerMetrics(lambda: state.engine.stats() if state.engine is not None else None),
-        pool=PreparePool(limits.prepare_workers, limits.prepare_queue),
+        pool=PreparePool(limits.prepare_workers, limits.prepare_queue), media=media,
         load_engine=load_engine, on_load_error=on_load_error, on_engine_failure=on_engine_failure,
     )
 

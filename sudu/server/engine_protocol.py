@@ -2,7 +2,9 @@
 the tests' scripted fake is another. Requests are checked once (`check_request`, in a worker thread) and
 the CheckedRequest is what `generate` takes. An engine may also offer `try_admit(request_id, request,
 priority) -> engine.wait_predictor.WaitPrediction` (admission by predicted wait: server/admission.py);
-one without it admits by `is_full` alone."""
+one without it admits by `is_full` alone. An engine serving a vision-language model also has `image_processor`
+(media/: its images' preprocessing and placeholder) and takes `check_request(ids, params, images)`; one without
+the attribute takes no images (server/media_input.py answers 400)."""
 from __future__ import annotations
 
 from typing import AsyncIterator, Protocol

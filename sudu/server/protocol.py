@@ -100,7 +100,18 @@ class TextPart(RequestModel):
     text: str
 
 
-MessageContent = Union[str, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]]
+class ImageURL(RequestModel):
+    url: str = Field(description="A data: URL (base64), or an http(s) URL from --allowed-media-domains.")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+MessageContent = Union[str, Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]]
 
 
 class FunctionCall(RequestModel):
@@ -116,7 +127,8 @@ class ToolCall(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: MessageContent | None = Field(None, description="A string or an array of text parts.")
+    content: MessageContent | None = Field(
+        None, description="A string or an array of text and image_url parts (images: vision-language models).")
     name: str | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = Field(
         None, description="An assistant turn's calls.")

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 from sudu.engine.request import CheckedRequest
 from sudu.errors import RequestTooLongError, SuduError
+from sudu.media.image import MediaError
 from sudu.sampling import SamplingParams
 from sudu.server import protocol as P
 from sudu.server.engine_protocol import ServingEngine
 from sudu.server.constraints import auto_tool_grammar, output_grammar, tool_grammar
 from sudu.server.errors import invalid
+from sudu.server.media_input import MediaPolicy, media_error, take_images
 from sudu.server.reasoning import opens_reasoning, reasoning_template
 from sudu.structured.grammars import GrammarError
 from sudu.tools import messages as tool_messages
@@ -56,13 +58,16 @@ class PreparedCall:
     tool_schemas: dict[str, dict] | None = None
 
 
-def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> PreparedCall:
+def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest, media: MediaPolicy = MediaPolicy()
+                 ) -> PreparedCall:
+    """media: where images may come from and how large they may be (server/media_input.py)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs requires logprobs=true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
     _check_chars(engine, sum(_content_chars(m.content) for m in body.messages), "messages")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    processor = getattr(engine, "image_processor", None)
+    messages, images = take_images([m.model_dump(exclude_none=True) for m in body.messages], processor, media)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None
     template = engine.tokenizer.template_source
     if tools is not None:
@@ -96,7 +101,13 @@ def prepare_chat(engine: ServingEngine, body: P.ChatCompletionRequest) -> Prepar
         raise invalid(f"The chat template rejected the messages: {exc}", "messages") from exc
     if not ids:
         raise invalid("The rendered prompt is empty", "messages")
-    jobs = _checked_jobs(engine, "chatcmpl", [ids], params, body.priority, "messages", grammar_param)
+    placed = ()
+    if images:
+        try:
+            ids, placed = processor.expand(ids, images)
+        except MediaError as exc:
+            raise media_error(exc, "messages") from None
+    jobs = _checked_jobs(engine, "chatcmpl", [ids], params, body.priority, "messages", grammar_param, placed)
     parse_tools = bool(body.tools) and _tool_choice(body) != "none"
     thinking = reasoning_template(template)
     schemas = None
@@ -179,7 +190,7 @@ def sampling_params(body: P._SamplingFields, max_tokens: int | None, logprobs: i
 def _content_chars(content: P.MessageContent | None) -> int:
     if content is None:
         return 0
-    return len(content) if isinstance(content, str) else sum(len(part.text) for part in content)
+    return len(content) if isinstance(content, str) else sum(len(getattr(part, "text", "")) for part in content)
 
 
 def _check_chars(engine: ServingEngine, num_chars: int, param: str) -> None:
@@ -192,14 +203,16 @@ def _check_chars(engine: ServingEngine, num_chars: int, param: str) -> None:
 
 
 def _checked_jobs(engine: ServingEngine, id_prefix: str, prompts: list[list[int]], params: SamplingParams,
-                  priority: int, prompt_param: str, grammar_param: str | None = None) -> list[Job]:
+                  priority: int, prompt_param: str, grammar_param: str | None = None, images: tuple = ()
+                  ) -> list[Job]:
     """One engine request per prompt, each checked once (length against the context, token ids against
-    the vocabulary, the output grammar against the tokenizer) before anything is queued."""
+    the vocabulary, the output grammar against the tokenizer) before anything is queued. images: the one
+    prompt's images, at their placeholder tokens."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     jobs = []
     for i, ids in enumerate(prompts):
         try:
-            checked = engine.check_request(ids, params)
+            checked = engine.check_request(ids, params, images) if images else engine.check_request(ids, params)
         except RequestTooLongError as exc:
             raise invalid(str(exc), prompt_param, code="context_length_exceeded") from exc
         except GrammarError as exc:

@@ -5,6 +5,7 @@ stream or a single body."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,7 +26,7 @@ from sudu.server.responses import Call
 from sudu.server.state import ServerState
 from sudu.server.streaming import sse, unless_disconnected
 
-_ERROR_RESPONSES = {status: {"model": P.ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
+_ERROR_RESPONSES = {status: {"model": P.ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 500, 503)}
 
 # OpenAPI links: how a client chains the routes (the served model's id into a completion, an answer
 # into the next turn). Documentation for clients, and the transitions of the stateful fuzz test.
@@ -139,7 +140,8 @@ def api_routes(state: ServerState) -> APIRouter:
     @router.post("/chat/completions", operation_id="create_chat_completion",
                  responses={200: {"model": P.ChatCompletionResponse, "links": _CHAT_LINKS}, **_ERROR_RESPONSES})
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
-        return await complete(body, request, prepare_chat, "chat.completion", Call.chat_stream, Call.chat_response)
+        return await complete(body, request, partial(prepare_chat, media=state.media), "chat.completion",
+                              Call.chat_stream, Call.chat_response)
 
     @router.post("/completions", operation_id="create_completion",
                  responses={200: {"model": P.CompletionResponse, "links": _COMPLETION_LINKS}, **_ERROR_RESPONSES})

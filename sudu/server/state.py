@@ -9,6 +9,7 @@ from typing import Awaitable, Callable
 
 from sudu.server.engine_protocol import ServingEngine
 from sudu.server.limits import PreparePool
+from sudu.server.media_input import MediaPolicy
 from sudu.server.metrics import ServerMetrics
 
 
@@ -20,6 +21,7 @@ class ServerState:
     shutdown_timeout_s: float
     metrics: ServerMetrics
     pool: PreparePool
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where images may come from, how large
     load_engine: Callable[[], ServingEngine] | None = None
     on_load_error: Callable[[BaseException], None] | None = None
     on_engine_failure: Callable[[str], None] | None = None

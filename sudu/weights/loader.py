@@ -27,6 +27,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     format: str = "gguf"  # "gguf" or "safetensors"
     progress: bool = False
+    preprocessor: dict | None = None  # preprocessor_config.json of a vision-language directory
     _reader: Any = field(default=None, repr=False)  # the parsed GGUFFile; its memory map backs the blocks
     _quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
 
@@ -105,7 +106,8 @@ def load_checkpoint(name_or_path: str, pull: bool = True, progress: bool = True)
     if path.is_dir():
         config = st_weights.read_config(path)
         tokenizer = Tokenizer.from_dir(path)
-        checkpoint = Checkpoint(path, config, tokenizer, format="safetensors", progress=progress)
+        checkpoint = Checkpoint(path, config, tokenizer, format="safetensors", progress=progress,
+                                preprocessor=st_weights.read_preprocessor(path))
     else:
         reader = gguf_weights.open_gguf(path)
         config = gguf_weights.config_from_gguf(reader)

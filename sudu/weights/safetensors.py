@@ -25,6 +25,17 @@ def read_config(path: str | Path) -> ModelConfig:
         raise SuduError(f"{config_file}: {exc}") from None
 
 
+def read_preprocessor(path: str | Path) -> dict | None:
+    """preprocessor_config.json (a vision-language model's image preprocessing), or None when absent."""
+    file = Path(path) / "preprocessor_config.json"
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SuduError(f"cannot read {file}: {exc}") from None
+
+
 def shard_files(path: str | Path) -> list[Path]:
     """The safetensors files of a directory; an index file, when present, names them."""
     path = Path(path)
@@ -57,8 +68,18 @@ _MIXTRAL_NAMES = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w1|w2|w3)
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
+# Qwen2.5-VL as transformers >= 5 saves it -> the names of the original checkpoints (and of sudu's network)
+_VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
 def canonical_name(name: str, arch: str | None) -> str:
-    """The name sudu's network gives a checkpoint tensor (the checkpoint's own, except Mixtral's experts)."""
+    """The name sudu's network gives a checkpoint tensor (the checkpoint's own, except Mixtral's experts and
+    transformers >= 5's nesting of a vision-language model's parts)."""
+    if arch == "qwen2_5_vl":
+        for prefix, canonical in _VL_PREFIXES:
+            if name.startswith(prefix):
+                return canonical + name[len(prefix):]
+        return name
     if arch != "mixtral":
         return name
 

@@ -1,0 +1,136 @@
+"""A vision-language model's part of each step: the embeddings of the images whose tokens the step runs (from the
+encoder cache, keyed by the image's content hash, or encoded now, one call to the vision tower per image, before
+the forward pass that reads them), the rows those embeddings replace, and every row's
+multimodal rotary position. An image's embeddings are computed whole, whatever chunk of its tokens a step runs,
+so chunking and caching leave the numbers unchanged."""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from sudu.media.image import ImageInput
+
+
+class EncoderCache:
+    """Image embeddings by content hash, least recently used evicted past max_bytes."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.num_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.encode_s = 0.0  # seconds spent in the vision tower
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        embeds = self.entries.get(key)
+        if embeds is not None:
+            self.entries.move_to_end(key)
+        return embeds
+
+    def put(self, key: bytes, embeds: torch.Tensor) -> None:
+        size = embeds.numel() * embeds.element_size()
+        if size > self.max_bytes or key in self.entries:
+            return
+        self.entries[key] = embeds
+        self.num_bytes += size
+        while self.num_bytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.num_bytes -= old.numel() * old.element_size()
+
+    def stats(self) -> dict:
+        return {"encoder_cache_hits": self.hits, "encoder_cache_misses": self.misses,
+                "encoder_cache_bytes": self.num_bytes, "encoder_seconds": self.encode_s}
+
+
+def check_images(token_ids: list[int], images, image_token_id: int | None, has_vision: bool) -> None:
+    """ValueError unless the model takes images and each image's run of placeholder tokens is in the prompt."""
+    if not has_vision:
+        raise ValueError("this model takes no images (it has no vision encoder)")
+    for image in images:
+        run = token_ids[image.offset:image.offset + image.num_tokens]
+        if image.num_tokens < 1 or len(run) != image.num_tokens or any(t != image_token_id for t in run):
+            raise ValueError(f"the prompt has no run of {image.num_tokens} image tokens at {image.offset}")
+
+
+def step_range(s) -> tuple[int, int]:
+    """The prompt positions a scheduled sequence runs this step."""
+    start = s.seq.num_computed_tokens
+    return start, start + s.num_new_tokens
+
+
+def overlaps(image: ImageInput, start: int, end: int) -> bool:
+    return image.offset < end and image.offset + image.num_tokens > start
+
+
+class VisionInputs:
+    def __init__(self, model: torch.nn.Module, cache_bytes: int):
+        self.model = model
+        self.cache = EncoderCache(cache_bytes)
+
+    def attach(self, seq, images: tuple[ImageInput, ...]) -> None:
+        """A new sequence's images and the multimodal rotary positions of its prompt."""
+        seq.images = images
+        if images:
+            seq.mrope = self.model.prompt_positions(seq.num_prompt_tokens, images)
+
+    def embeddings(self, scheduled, device: torch.device, dtype: torch.dtype) -> dict[bytes, torch.Tensor]:
+        """content hash -> [num_tokens, hidden] for every image with tokens in this step."""
+        needed: dict[bytes, ImageInput] = {}
+        for s in scheduled:
+            start, end = step_range(s)
+            for image in s.seq.images:
+                if overlaps(image, start, end):
+                    needed.setdefault(image.content_hash, image)
+        out, missing = {}, []
+        for key, image in needed.items():
+            embeds = self.cache.get(key)
+            if embeds is None:
+                missing.append(image)
+            else:
+                out[key] = embeds
+        self.cache.hits += len(out)
+        self.cache.misses += len(missing)
+        for image in missing:  # one call per image: its embeddings never depend on what else is encoded with it
+            t0 = time.perf_counter()
+            embeds = self.model.encode_images(image.pixel_values.to(device, dtype), [image.grid_thw])
+            out[image.content_hash] = embeds
+            self.cache.put(image.content_hash, embeds)
+            self.cache.encode_s += time.perf_counter() - t0
+        return out
+
+    def image_rows(self, scheduled, embeddings: dict[bytes, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the step's flat batch that are image tokens, their embeddings), or None."""
+        rows, parts, base = [], [], 0
+        for s in scheduled:
+            start, end = step_range(s)
+            for image in s.seq.images:
+                if overlaps(image, start, end):
+                    lo, hi = max(start, image.offset), min(end, image.offset + image.num_tokens)
+                    rows.append(torch.arange(base + lo - start, base + hi - start))
+                    parts.append(embeddings[image.content_hash][lo - image.offset:hi - image.offset])
+            base += s.num_new_tokens
+        if not rows:
+            return None
+        return torch.cat(rows), torch.cat(parts)
+
+    def positions(self, scheduled) -> torch.Tensor:
+        """Every row's (temporal, height, width) position: [3, rows]. Text rows past the prompt's images are
+        shifted as the prompt's last image left them; a sequence without images has plain positions."""
+        parts = []
+        for s in scheduled:
+            start, end = step_range(s)
+            if s.seq.mrope is None:
+                parts.append(torch.arange(start, end).expand(3, end - start))
+                continue
+            table, shift = s.seq.mrope
+            n = table.shape[1]
+            if start < n:
+                parts.append(table[:, start:min(end, n)])
+            if end > n:
+                later = torch.arange(max(start, n), end) + shift
+                parts.append(later.expand(3, later.shape[0]))
+        return torch.cat(parts, dim=1)
