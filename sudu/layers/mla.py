@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from sudu.model_config import ModelConfig
 
 
+# The query and key/value latents are normalized with RMSNorm's default eps in DeepSeek's own code and in
+# transformers, whatever config.json's rms_norm_eps (which the decoder's norms use) says
+LATENT_NORM_EPS = 1e-6
+
+
 def _fold_heads_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
     """[..., q, keys] -> [..., heads * q, keys]: query row h * q + j is head h's j-th new token."""
     return mask.unsqueeze(-3).expand(*mask.shape[:-2], heads, *mask.shape[-2:]).flatten(-3, -2)
@@ -96,12 +101,12 @@ class LatentAttention(nn.Module):
         bias = cfg.attention_bias
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
         else:
             self.q_proj = nn.Linear(cfg.hidden_size, H * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.lora + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.lora, LATENT_NORM_EPS)
         self.kv_b_proj = FloatWeight(H * (self.nope + self.v_head), self.lora)  # split per head, never quantized
         self.o_proj = nn.Linear(H * self.v_head, cfg.hidden_size, bias=bias)
         self.interleaved = cfg.rope_interleave
