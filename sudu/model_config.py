@@ -61,6 +61,9 @@ class ModelConfig:
     # YaRN scaling (Hugging Face's rope_type "yarn" parameters: factor, original_max_position_embeddings,
     # beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor)
     rope_yarn: dict | None = None
+    # Llama 3.1's scaling (rope_type "llama3": factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings)
+    rope_llama3: dict | None = None
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers stored after the decoder layers
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -124,12 +127,11 @@ class ModelConfig:
             kwargs["rope_theta"] = float(rope_global["rope_theta"])
         if "rope_theta" in rope_local:
             kwargs["rope_local_base_freq"] = float(rope_local["rope_theta"])
-        if scaling.get("rope_type", scaling.get("type")) == "linear":
-            kwargs["rope_scaling_factor"] = float(scaling["factor"])
-        if scaling.get("rope_type", scaling.get("type")) == "yarn":
-            kwargs["rope_yarn"] = {k: scaling[k] for k in ("factor", "original_max_position_embeddings", "beta_fast",
-                                                            "beta_slow", "mscale", "mscale_all_dim",
-                                                            "attention_factor") if scaling.get(k) is not None}
+        kwargs.update(rope_scaling_fields(scaling, cfg.get("max_position_embeddings")))
+        if kwargs.get("rope_yarn"):  # YaRN's context: the original one times the factor (Qwen2.5's model cards)
+            yarn = kwargs["rope_yarn"]
+            kwargs["max_position_embeddings"] = max(cfg.get("max_position_embeddings") or 0,
+                                                    int(yarn["original_max_position_embeddings"] * yarn["factor"]))
         if arch == "gemma3":
             kwargs.setdefault("tie_word_embeddings", True)
             kwargs.setdefault("rope_local_base_freq", 10000.0)
@@ -143,6 +145,53 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         kwargs["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(**kwargs)
+
+
+ROPE_SCALINGS = ("linear", "yarn", "llama3")
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "attention_factor", "truncate")
+
+
+def rope_scaling_fields(scaling: dict, max_position_embeddings: int | None = None) -> dict:
+    """ModelConfig's RoPE fields for a Hugging Face rope_scaling (or rope_parameters) dict: linear ->
+    rope_scaling_factor, yarn -> rope_yarn, llama3 -> rope_llama3; none or "default" -> {}. Raises
+    ValueError for a scaling sudu does not apply, rather than run the model with the wrong positions."""
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    if kind == "default":
+        return {}
+    if kind not in ROPE_SCALINGS:
+        why = (": its frequencies change with the sequence's current length, so a cached token's K would depend on "
+               "how long its sequence later grows" if kind == "dynamic" else "")
+        raise ValueError(f"RoPE scaling {kind!r} is not supported{why}; sudu applies {', '.join(ROPE_SCALINGS)}")
+    factor = scaling.get("factor")
+    original = scaling.get("original_max_position_embeddings")
+    if factor is None and kind == "yarn" and original and max_position_embeddings:
+        factor = max_position_embeddings / original  # transformers' rule when only the two lengths are given
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ValueError(f"RoPE scaling {kind!r} needs a factor > 0, got {factor!r}")
+    if kind == "linear":
+        return {"rope_scaling_factor": float(factor)}
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(f"RoPE scaling {kind!r} needs original_max_position_embeddings (the context the model "
+                         f"was trained at), got {original!r}")
+    if kind == "yarn":
+        fields = {k: scaling[k] for k in _YARN_KEYS if scaling.get(k) is not None}
+        return {"rope_yarn": {**fields, "factor": float(factor)}}
+    return {"rope_llama3": {"factor": float(factor), "original_max_position_embeddings": original,
+                            "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+                            "high_freq_factor": float(scaling.get("high_freq_factor", 4.0))}}
+
+
+def with_rope_scaling(cfg: ModelConfig, scaling: dict) -> ModelConfig:
+    """cfg with its RoPE scaling replaced by `scaling` (`--rope-scaling`, Hugging Face's rope_scaling
+    form), and its context extended to original_max_position_embeddings (default: the model's own) times
+    the factor. {"type": "default"} removes a scaling."""
+    fields = rope_scaling_fields(scaling, cfg.max_position_embeddings)
+    out = dataclasses.replace(cfg, **{"rope_scaling_factor": None, "rope_yarn": None, "rope_llama3": None, **fields})
+    factor = scaling.get("factor") or 1.0
+    original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    out.max_position_embeddings = max(cfg.max_position_embeddings, int(original * factor)) if fields else original
+    return out
 
 
 def _moe_fields(arch: str, cfg: dict, kwargs: dict) -> None:
