@@ -12,7 +12,7 @@ SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwe
 # config.json model_type -> architecture
 MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3",
                "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "deepseek_v2": "deepseek2",
-               "deepseek_v3": "deepseek2"}
+               "deepseek_v3": "deepseek2", "deepseek_v32": "deepseek2"}
 
 
 @dataclass
@@ -64,6 +64,11 @@ class ModelConfig:
     # Llama 3.1's scaling (rope_type "llama3": factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings)
     rope_llama3: dict | None = None
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, layers/sparse_index.py): a lightning indexer of index_n_heads
+    # heads of index_head_dim ranks the past tokens; each query attends to its index_topk best. 0 = dense
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers stored after the decoder layers
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -88,9 +93,10 @@ class ModelConfig:
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(heads, K width, V width) of one token's entry in one layer's pool. Multi-head latent attention
-        keeps one shared entry: the rotary key part as K and the compressed latent as V."""
+        keeps one shared entry: the rotary key part as K and the compressed latent as V; with sparse attention
+        the indexer's key follows the rotary part in K."""
         if self.kv_lora_rank:
-            return 1, self.qk_rope_head_dim, self.kv_lora_rank
+            return 1, self.qk_rope_head_dim + (self.index_head_dim if self.index_topk else 0), self.kv_lora_rank
         return self.num_key_value_heads, self.head_dim, self.head_dim
 
     def is_moe(self, layer_idx: int) -> bool:
@@ -215,7 +221,7 @@ def _moe_fields(arch: str, cfg: dict, kwargs: dict) -> None:
         step = cfg.get("moe_layer_freq", 1)
         kwargs["moe_layers"] = [i >= first_dense and i % step == 0 for i in range(n)]
         kwargs["shared_expert_intermediate_size"] = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
-        v3 = cfg.get("model_type") == "deepseek_v3"
+        v3 = cfg.get("model_type") in ("deepseek_v3", "deepseek_v32")
         kwargs["scoring_func"] = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
         kwargs["router_correction_bias"] = v3 or cfg.get("topk_method") == "noaux_tc"
         kwargs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
