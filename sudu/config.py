@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass
+
+from sudu.model_config import rope_scaling_fields
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
@@ -40,7 +43,12 @@ class EngineConfig:
     # fills, up to kv_cache_memory. kv_prefault commits them all at load instead: the resident set is then
     # flat from the start (what a container's memory limit sees), at the price of the whole pool up front
     kv_prefault: bool = False
-    max_model_len: int | None = None  # None -> the model's context length, at most 32768
+    max_model_len: int | None = None  # None -> the model's context length, at most 32768 (without --rope-scaling)
+    # RoPE scaling replacing the model's own, a JSON object in Hugging Face's rope_scaling form: e.g.
+    # '{"type": "yarn", "factor": 4, "original_max_position_embeddings": 32768}' (Qwen2.5's model card: 128k);
+    # also linear and llama3. The model's context becomes original x factor, and the default max_model_len
+    # with it (model_config.py with_rope_scaling)
+    rope_scaling: str | None = None
     max_num_seqs: int = 64  # sequences in the running batch
     # tokens per forward pass (prefill chunks + decodes): a prompt of up to this many tokens is one chunk,
     # its weights dequantized once (docs/cpu_speed.md "Prompt chunks of 2,048 tokens")
@@ -143,8 +151,23 @@ class EngineConfig:
                 raise ValueError(f"disk_cache_size must be 0, auto or a size such as 8GiB, got {self.disk_cache_size!r}") from None
         if self.encoder_cache_memory < 0:
             raise ValueError("encoder_cache_memory must be >= 0 (0 = every image encoded each time it is sent)")
+        if self.rope_scaling:
+            rope_scaling_dict(self.rope_scaling)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+def rope_scaling_dict(text: str) -> dict:
+    """--rope-scaling's JSON object, checked (ValueError with the reason)."""
+    try:
+        scaling = json.loads(text)
+    except ValueError:
+        raise ValueError(f"rope_scaling must be a JSON object such as '{{\"type\": \"yarn\", \"factor\": 4, "
+                         f"\"original_max_position_embeddings\": 32768}}', got {text!r}") from None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be a JSON object, got {text!r}")
+    rope_scaling_fields(scaling)
+    return scaling
 
 
 def default_num_threads() -> int:

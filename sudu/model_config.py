@@ -13,7 +13,8 @@ SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwe
 # config.json model_type -> architecture
 MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3",
                "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "deepseek_v2": "deepseek2",
-               "deepseek_v3": "deepseek2", "qwen2_5_vl": "qwen2_5_vl", "qwen2_5_vl_text": "qwen2_5_vl"}
+               "deepseek_v3": "deepseek2", "deepseek_v32": "deepseek2", "qwen2_5_vl": "qwen2_5_vl",
+               "qwen2_5_vl_text": "qwen2_5_vl"}
 
 
 @dataclass
@@ -62,6 +63,14 @@ class ModelConfig:
     # YaRN scaling (Hugging Face's rope_type "yarn" parameters: factor, original_max_position_embeddings,
     # beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor)
     rope_yarn: dict | None = None
+    # Llama 3.1's scaling (rope_type "llama3": factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings)
+    rope_llama3: dict | None = None
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, layers/sparse_index.py): a lightning indexer of index_n_heads
+    # heads of index_head_dim ranks the past tokens; each query attends to its index_topk best. 0 = dense
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers stored after the decoder layers
     # multimodal rotary (Qwen2-VL family): the rotary channel pairs given to the temporal, height and width
     # position, in that order (sums to head_dim / 2); None: one position per token
@@ -92,9 +101,10 @@ class ModelConfig:
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(heads, K width, V width) of one token's entry in one layer's pool. Multi-head latent attention
-        keeps one shared entry: the rotary key part as K and the compressed latent as V."""
+        keeps one shared entry: the rotary key part as K and the compressed latent as V; with sparse attention
+        the indexer's key follows the rotary part in K."""
         if self.kv_lora_rank:
-            return 1, self.qk_rope_head_dim, self.kv_lora_rank
+            return 1, self.qk_rope_head_dim + (self.index_head_dim if self.index_topk else 0), self.kv_lora_rank
         return self.num_key_value_heads, self.head_dim, self.head_dim
 
     def is_moe(self, layer_idx: int) -> bool:
@@ -134,12 +144,11 @@ class ModelConfig:
             kwargs["rope_theta"] = float(rope_global["rope_theta"])
         if "rope_theta" in rope_local:
             kwargs["rope_local_base_freq"] = float(rope_local["rope_theta"])
-        if scaling.get("rope_type", scaling.get("type")) == "linear":
-            kwargs["rope_scaling_factor"] = float(scaling["factor"])
-        if scaling.get("rope_type", scaling.get("type")) == "yarn":
-            kwargs["rope_yarn"] = {k: scaling[k] for k in ("factor", "original_max_position_embeddings", "beta_fast",
-                                                            "beta_slow", "mscale", "mscale_all_dim",
-                                                            "attention_factor") if scaling.get(k) is not None}
+        kwargs.update(rope_scaling_fields(scaling, cfg.get("max_position_embeddings")))
+        if kwargs.get("rope_yarn"):  # YaRN's context: the original one times the factor (Qwen2.5's model cards)
+            yarn = kwargs["rope_yarn"]
+            kwargs["max_position_embeddings"] = max(cfg.get("max_position_embeddings") or 0,
+                                                    int(yarn["original_max_position_embeddings"] * yarn["factor"]))
         if arch == "gemma3":
             kwargs.setdefault("tie_word_embeddings", True)
             kwargs.setdefault("rope_local_base_freq", 10000.0)
@@ -168,6 +177,53 @@ def _vision_fields(outer: dict, text: dict, kwargs: dict) -> None:
         kwargs["tie_word_embeddings"] = bool(outer["tie_word_embeddings"])
 
 
+ROPE_SCALINGS = ("linear", "yarn", "llama3")
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "attention_factor", "truncate")
+
+
+def rope_scaling_fields(scaling: dict, max_position_embeddings: int | None = None) -> dict:
+    """ModelConfig's RoPE fields for a Hugging Face rope_scaling (or rope_parameters) dict: linear ->
+    rope_scaling_factor, yarn -> rope_yarn, llama3 -> rope_llama3; none or "default" -> {}. Raises
+    ValueError for a scaling sudu does not apply, rather than run the model with the wrong positions."""
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    if kind == "default":
+        return {}
+    if kind not in ROPE_SCALINGS:
+        why = (": its frequencies change with the sequence's current length, so a cached token's K would depend on "
+               "how long its sequence later grows" if kind == "dynamic" else "")
+        raise ValueError(f"RoPE scaling {kind!r} is not supported{why}; sudu applies {', '.join(ROPE_SCALINGS)}")
+    factor = scaling.get("factor")
+    original = scaling.get("original_max_position_embeddings")
+    if factor is None and kind == "yarn" and original and max_position_embeddings:
+        factor = max_position_embeddings / original  # transformers' rule when only the two lengths are given
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ValueError(f"RoPE scaling {kind!r} needs a factor > 0, got {factor!r}")
+    if kind == "linear":
+        return {"rope_scaling_factor": float(factor)}
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(f"RoPE scaling {kind!r} needs original_max_position_embeddings (the context the model "
+                         f"was trained at), got {original!r}")
+    if kind == "yarn":
+        fields = {k: scaling[k] for k in _YARN_KEYS if scaling.get(k) is not None}
+        return {"rope_yarn": {**fields, "factor": float(factor)}}
+    return {"rope_llama3": {"factor": float(factor), "original_max_position_embeddings": original,
+                            "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+                            "high_freq_factor": float(scaling.get("high_freq_factor", 4.0))}}
+
+
+def with_rope_scaling(cfg: ModelConfig, scaling: dict) -> ModelConfig:
+    """cfg with its RoPE scaling replaced by `scaling` (`--rope-scaling`, Hugging Face's rope_scaling
+    form), and its context extended to original_max_position_embeddings (default: the model's own) times
+    the factor. {"type": "default"} removes a scaling."""
+    fields = rope_scaling_fields(scaling, cfg.max_position_embeddings)
+    out = dataclasses.replace(cfg, **{"rope_scaling_factor": None, "rope_yarn": None, "rope_llama3": None, **fields})
+    factor = scaling.get("factor") or 1.0
+    original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    out.max_position_embeddings = max(cfg.max_position_embeddings, int(original * factor)) if fields else original
+    return out
+
+
 def _moe_fields(arch: str, cfg: dict, kwargs: dict) -> None:
     """The routed-expert fields each family spells its own way in config.json."""
     n = cfg["num_hidden_layers"]
@@ -189,7 +245,7 @@ def _moe_fields(arch: str, cfg: dict, kwargs: dict) -> None:
         step = cfg.get("moe_layer_freq", 1)
         kwargs["moe_layers"] = [i >= first_dense and i % step == 0 for i in range(n)]
         kwargs["shared_expert_intermediate_size"] = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
-        v3 = cfg.get("model_type") == "deepseek_v3"
+        v3 = cfg.get("model_type") in ("deepseek_v3", "deepseek_v32")
         kwargs["scoring_func"] = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
         kwargs["router_correction_bias"] = v3 or cfg.get("topk_method") == "noaux_tc"
         kwargs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))

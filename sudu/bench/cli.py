@@ -14,6 +14,7 @@ from sudu.bench import cli_sessions
 from sudu.errors import SuduError
 
 DEFAULT_OUT = "bench-results"
+DEFAULT_DEPTHS = "2k,8k,16k,24k,32k"  # sudu bench sweep's context depths (k = 1000)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -117,6 +118,7 @@ def register_cli(subparsers) -> None:
     p.set_defaults(func=cmd_suite)
 
     _register_determinism(suites)
+    _register_sweep(suites)
 
     p = suites.add_parser("compare", help="A/B ratios with bootstrap CIs between two JSON reports")
     p.add_argument("a", metavar="A.json")
@@ -183,6 +185,71 @@ def cmd_determinism(args) -> int:
     opts = parse_options(args)
     progress = _progress(args.no_progress or not sys.stderr.isatty())
     return run_with_local_server(args, lambda a: run_determinism(a, opts, progress))
+
+
+def _register_sweep(suites) -> None:
+    """`sudu bench sweep`: its own target flags (several endpoints in one run) and run flags."""
+    p = suites.add_parser("sweep", help="prompt and decode speed against context depth (cold prompts and agent "
+                          "turns on a cached prefix), several endpoints on one chart")
+    g = p.add_argument_group("targets")
+    g.add_argument("--url", action="append", default=None, help="an OpenAI-compatible server; repeat for several "
+                   "endpoints, measured side by side (default: start a local `sudu serve`, run, stop it)")
+    g.add_argument("--label", action="append", default=None, help="a name per --url, for tables and the chart "
+                   "(default: host:port)")
+    g.add_argument("--model", action="append", default=None, help="model name to send, one per --url or one for "
+                   "all (default: the first of each GET /v1/models)")
+    g.add_argument("--api-key", default=os.environ.get("SUDU_BENCH_API_KEY"),
+                   help="bearer token (default: $SUDU_BENCH_API_KEY)")
+    g.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for a local sudu serve")
+    g.add_argument("--serve-args", default="", help="with no --url: extra flags for the local `sudu serve`")
+    g.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout, seconds")
+    r = p.add_argument_group("run")
+    r.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"context depths in tokens, k = 1000 (default: {DEFAULT_DEPTHS})")
+    r.add_argument("--modes", default="cold,agent", help="cold (salted prompt of each depth) and/or agent (new "
+                   "tokens after a cached prefix of each depth)")
+    r.add_argument("--repeats", type=int, default=3, help="repetitions of each point, for the mean and its interval")
+    r.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded after each prompt")
+    r.add_argument("--new-tokens", type=int, default=256, help="agent mode: new tokens after the cached prefix")
+    r.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos=true (then an answer "
+                   "may stop before --decode-tokens)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT})")
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args) -> int:
+    from sudu.bench.local_server import run_with_local_server
+    from sudu.bench.sweep import MODES, SweepOptions, execute, parse_depths, parse_endpoints
+    from sudu.bench.sweep_report import markdown, write
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise SuduError(f"bad --modes {args.modes!r}: use cold and/or agent")
+    if args.repeats < 1 or args.decode_tokens < 2 or args.new_tokens < 1:
+        raise SuduError("--repeats and --new-tokens must be >= 1, --decode-tokens >= 2 (decode speed needs two tokens)")
+    opts = SweepOptions(parse_depths(args.depths), modes, args.repeats, args.decode_tokens, args.new_tokens,
+                        not args.no_ignore_eos, args.seed)
+    if args.url is None and (len(args.model or []) > 1 or args.label and len(args.label) > 1):
+        raise SuduError("with no --url (a local sudu serve), give at most one --model and one --label")
+    local_model = (args.model or [None])[0]
+
+    def run(a) -> int:
+        given = isinstance(a.url, list)  # else the local sudu serve started here
+        endpoints = parse_endpoints(a.url if given else [a.url], a.label or (None if given else ["sudu"]),
+                                    a.model if given else None)
+        config = {k: v for k, v in vars(a).items() if isinstance(v, (str, int, float, bool, list, type(None)))
+                  and k not in ("api_key", "func")}
+        report, _ = execute(endpoints, opts, a.api_key, a.timeout, config)
+        paths = write(report, a.out)
+        print(markdown(report))
+        print("reports: " + "  ".join(paths.values()), file=sys.stderr)
+        if report["partial"]:
+            raise KeyboardInterrupt
+        return 0
+
+    if args.url is None:  # run_with_local_server reads a single --model
+        args.model = local_model
+    return run_with_local_server(args, run)
 
 
 def validate(args) -> dict:

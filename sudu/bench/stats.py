@@ -7,12 +7,17 @@ The bootstrap resamples what is independent, never less:
   request makes all its gaps slow): whole requests are resampled, the statistic is the pooled mean;
 - `block`: a time series, such as tokens per second: contiguous blocks of it are resampled (circular
   moving blocks of about sqrt(n)), which keeps the dependence between neighbouring seconds.
-Resampling dependent values as if independent makes intervals too narrow."""
+Resampling dependent values as if independent makes intervals too narrow.
+
+A handful of repetitions (sweep's points: each one a long request) is too few for the bootstrap; there
+`t_interval` gives Student's t interval of the mean, which assumes the values roughly normal and is exact
+for them at any n >= 2."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from scipy.special import stdtrit
 
 MIN_SAMPLES_FOR_CI = 10  # resampling units (values, requests, blocks' worth of seconds) below which no CI
 BOOTSTRAP_RESAMPLES = 2000
@@ -144,3 +149,13 @@ def ratio_ci(a, b, seed: int = DEFAULT_SEED, min_n: int = MIN_SAMPLES_FOR_CI, le
     if not r.significant:
         r.note = "not significant (CI contains 1)"
     return r
+
+
+def t_interval(values, level: float = 0.95) -> tuple[float | None, float | None]:
+    """Student's t interval of the mean: mean +- t(level, n-1) * s / sqrt(n), s the sample standard
+    deviation (n - 1 in the denominator). (None, None) below two values."""
+    x = np.asarray([v for v in values if v is not None], dtype=float)
+    if x.size < 2:
+        return None, None
+    half = float(stdtrit(x.size - 1, 0.5 + level / 2.0)) * float(x.std(ddof=1)) / np.sqrt(x.size)
+    return float(x.mean()) - half, float(x.mean()) + half

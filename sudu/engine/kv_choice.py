@@ -130,6 +130,8 @@ def resolve(config, model: torch.nn.Module, tokenizer, device: torch.device, dty
 
         identity = f"{model_identity(config.model, ckpt.path)}/{weight_format}"
         key = (identity, device.type, str(dtype), MIN_AGREEMENT, MAX_PPL_RISE, FLOAT16_HEADROOM, KV_SCALE_MARGIN)
+        if config.rope_scaling:  # it changes the keys' values (YaRN scales cos/sin), so it is part of what decides
+            key += (config.rope_scaling,)
         choice = _MEMO.get(key) or _stored(key)
     if choice is None:
         choice = choose(config.kv_cache_dtype, model, tokenizer, device, dtype)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sudu.config import EngineConfig
+from sudu.config import EngineConfig, rope_scaling_dict
 from sudu.cuda.invariance import check_speculation
 from sudu.engine import kv_choice
 from sudu.engine.model_runner import ModelRunner
@@ -36,6 +36,7 @@ from sudu.engine.wait_predictor import WaitModel
 from sudu.layers.device_sampler import DeviceSampler
 from sudu.media.processors import image_processor
 from sudu.layers.sampler import SampledToken, Sampler, SamplingRow
+from sudu.model_config import with_rope_scaling
 from sudu.sampling import SamplingParams
 from sudu.structured.backend import GrammarBackend
 from sudu.structured.masks import GrammarMasks, PendingMasks, apply_masks, forced_tokens
@@ -43,6 +44,7 @@ from sudu.structured.masks import GrammarMasks, PendingMasks, apply_masks, force
 log = logging.getLogger(__name__)
 
 MAX_MODEL_LEN_CAP = 32768
+KV_REPORT_TOKENS = 131072  # the startup line says what one context this long costs in the chosen KV format
 
 
 @dataclass
@@ -79,12 +81,16 @@ class LLMEngine:
         config.validate()
         self.config = config
         ckpt = load_checkpoint(config.model, pull=True, progress=progress)
+        if config.rope_scaling:
+            ckpt.config = with_rope_scaling(ckpt.config, rope_scaling_dict(config.rope_scaling))
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.model_path = ckpt.path
         self.image_processor = image_processor(ckpt.config, ckpt.preprocessor)  # None: a text-only model
         model, self.quantization = prepare_network(ckpt, config)
-        limit = min(ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
+        # the default stops at MAX_MODEL_LEN_CAP, unless --rope-scaling asked for the longer context
+        limit = ckpt.config.max_position_embeddings if config.rope_scaling else min(
+            ckpt.config.max_position_embeddings, MAX_MODEL_LEN_CAP)
         self.max_model_len = min(config.max_model_len or limit, ckpt.config.max_position_embeddings)
         # --kv-cache-dtype auto measured into a concrete format: everything below sees that one
         config, self.kv_choice = kv_choice.resolve(config, model, self.tokenizer, resolve_device(config.device),
@@ -123,14 +129,20 @@ class LLMEngine:
         self.memory = memory_report(self)
         gib = 1 << 30
         log.info(
-            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens (%s); memory: weights %.2f GiB (%.2f GiB "
-            "in huge pages), KV pool %.2f GiB (%.2f GiB resident, the rest committed as it fills), process %.2f GiB "
-            "resident",
+            "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens (%s; one %d-token context needs %.2f GiB of "
+            "it); memory: weights %.2f GiB (%.2f GiB in huge pages), KV pool %.2f GiB (%.2f GiB resident, the rest "
+            "committed as it fills), process %.2f GiB resident",
             ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size, config.kv_cache_dtype,
+            KV_REPORT_TOKENS, self.runner.kv_bytes_for_context(KV_REPORT_TOKENS) / gib,
             self.memory["memory_weights_bytes"] / gib, self.memory["memory_weights_huge_page_bytes"] / gib,
             self.memory["memory_kv_pool_bytes"] / gib,
             max(0, self.memory["memory_kv_resident_bytes"]) / gib, self.memory["memory_rss_bytes"] / gib,
         )
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if pool_tokens < self.max_model_len:
+            log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: longer sequences are refused; "
+                        "--kv-cache-memory %dMiB holds one whole context", pool_tokens, self.max_model_len,
+                        -(-self.runner.kv_bytes_for_context(self.max_model_len) // (1 << 20)))
 
     # ---- admission ----------------------------------------------------------------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:

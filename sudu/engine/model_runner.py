@@ -189,6 +189,15 @@ class ModelRunner:
         """Bytes one more token of context costs a sequence (every layer keeping every position)."""
         return kv_bytes_per_token(self.model_cfg, self.dtype, self.config.kv_cache_dtype)
 
+    def kv_bytes_for_context(self, tokens: int) -> int:
+        """KV bytes one sequence of `tokens` tokens holds: every position in the global layers, at most its
+        window in the sliding layers kept as rings."""
+        heads, k_dim, v_dim = self.model_cfg.kv_cache_shape()
+        layer = layer_kv_bytes_per_token(self.config.kv_cache_dtype, heads, k_dim, self.dtype, v_dim)
+        ring = len(self.ring_layers)
+        window = min(tokens, self.sliding_window or tokens)
+        return layer * ((self.model_cfg.num_hidden_layers - ring) * tokens + ring * window)
+
     def _kv_budget_bytes(self, max_model_len: int) -> int:
         budget = self.config.kv_cache_memory
         if budget is None:

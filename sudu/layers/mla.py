@@ -27,9 +27,15 @@ from sudu.layers.fuse import fuse_linears
 from sudu.layers.linear import FloatWeight
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import apply_rotary, yarn_mscale
+from sudu.layers.sparse_index import LightningIndexer, attend_selected, top_k_keys
 
 if TYPE_CHECKING:
     from sudu.model_config import ModelConfig
+
+
+# The query and key/value latents are normalized with RMSNorm's default eps in DeepSeek's own code and in
+# transformers, whatever config.json's rms_norm_eps (which the decoder's norms use) says
+LATENT_NORM_EPS = 1e-6
 
 
 def _fold_heads_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
@@ -37,22 +43,33 @@ def _fold_heads_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
     return mask.unsqueeze(-3).expand(*mask.shape[:-2], heads, *mask.shape[-2:]).flatten(-3, -2)
 
 
-def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float) -> torch.Tensor:
+def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float, index=None) -> torch.Tensor:
     """q: [T, H, kv_lora_rank + rope] (latent-space queries, rotary part last) for the new tokens, whose
     entries are already in the pool. Returns each head's latent output [T, H, kv_lora_rank].
 
     The values passed to SDPA are the keys themselves ([c ; k_pe]) and the rotary columns of the output are
-    dropped: SDPA's fused CPU kernel needs values as wide as keys, and this costs no copy."""
+    dropped: SDPA's fused CPU kernel needs values as wide as keys, and this costs no copy.
+
+    index: DeepSeek Sparse Attention's (queries [T, heads, dim], weights [T, heads], top-k) from
+    LightningIndexer; the pool's K then holds [k_pe ; index key], and every query row, prompt or decode,
+    attends over the top-k keys top_k_keys picks for it, gathered (layers/sparse_index.py)."""
     T, H, D = q.shape
     lora = cache.v.shape[-1]
+    rope = D - lora
     out = q.new_empty(T, H, lora)
     for s in view.seqs:
-        k_pe, c = cache.read(s.key_slots, q.dtype)  # [keys, 1, rope], [keys, 1, lora]
-        keys = torch.cat([c, k_pe], dim=-1)[:, 0]
+        k_all, c = cache.read(s.key_slots, q.dtype)  # [keys, 1, rope (+ index)], [keys, 1, lora]
+        keys = torch.cat([c, k_all[..., :rope]], dim=-1)[:, 0]
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).reshape(1, 1, H * s.q_len, D)
         mask = s.mask
         if mask is None:  # plain causal from position 0: the new tokens are the whole context
             mask = torch.ones(s.q_len, s.q_len, dtype=torch.bool, device=q.device).tril()
+        if index is not None:
+            iq, iw, topk = index
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            order, valid = top_k_keys(iq[rows], iw[rows], k_all[:, 0, rope:], mask, topk)
+            out[rows] = attend_selected(q[rows], keys[order], valid, scale, lora)
+            continue
         o = F.scaled_dot_product_attention(qs, keys[None, None], keys[None, None],
                                            attn_mask=_fold_heads_mask(mask, H), scale=scale)
         out[s.q_start:s.q_start + s.q_len] = o[..., :lora].view(H, s.q_len, lora).transpose(0, 1)
@@ -61,13 +78,22 @@ def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float) -> tor
         B, max_q = d.rows.shape
         qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, H, D)
         qd = qd.transpose(1, 2).reshape(B, 1, H * max_q, D)
-        k_pe, c = cache.read(d.slots, q.dtype)  # [B, keys, 1, rope], [B, keys, 1, lora]
-        keys = torch.cat([c, k_pe], dim=-1)[:, :, 0]
-        # a batch without padding (e.g. one decoding sequence) needs no mask, and SDPA's fused kernel
-        # takes it without one
-        mask = None if bool(d.mask.all()) else _fold_heads_mask(d.mask, H)
-        o = F.scaled_dot_product_attention(qd, keys[:, None], keys[:, None], attn_mask=mask, scale=scale)
-        o = o[..., :lora].reshape(B, H, max_q, lora).transpose(1, 2).reshape(B * max_q, H, lora)
+        k_all, c = cache.read(d.slots, q.dtype)  # [B, keys, 1, rope (+ index)], [B, keys, 1, lora]
+        keys = torch.cat([c, k_all[..., :rope]], dim=-1)[:, :, 0]
+        if index is not None:
+            iq, iw, topk = index
+            flat = d.rows.reshape(-1).clamp_min(0)
+            order, chosen_valid = top_k_keys(iq.index_select(0, flat).view(B, max_q, *iq.shape[1:]),
+                                             iw.index_select(0, flat).view(B, max_q, -1), k_all[:, :, 0, rope:],
+                                             d.mask[:, 0], topk)
+            chosen = keys[torch.arange(B, device=q.device)[:, None, None], order]  # [B, max_q, topk, D]
+            o = attend_selected(q.index_select(0, flat), chosen.flatten(0, 1), chosen_valid.flatten(0, 1), scale, lora)
+        else:
+            # a batch without padding (e.g. one decoding sequence) needs no mask, and SDPA's fused kernel
+            # takes it without one
+            mask = None if bool(d.mask.all()) else _fold_heads_mask(d.mask, H)
+            o = F.scaled_dot_product_attention(qd, keys[:, None], keys[:, None], attn_mask=mask, scale=scale)
+            o = o[..., :lora].reshape(B, H, max_q, lora).transpose(1, 2).reshape(B * max_q, H, lora)
         rows = d.rows.reshape(-1)
         if d.padded:
             valid = rows >= 0
@@ -96,13 +122,15 @@ class LatentAttention(nn.Module):
         bias = cfg.attention_bias
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
         else:
             self.q_proj = nn.Linear(cfg.hidden_size, H * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.lora + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.lora, LATENT_NORM_EPS)
         self.kv_b_proj = FloatWeight(H * (self.nope + self.v_head), self.lora)  # split per head, never quantized
+        # DeepSeek Sparse Attention (V3.2): each query attends to the tokens the indexer ranks best
+        self.indexer = LightningIndexer(cfg) if cfg.index_topk else None
         self.o_proj = nn.Linear(H * self.v_head, cfg.hidden_size, bias=bias)
         self.interleaved = cfg.rope_interleave
         # kv_b_proj split per head, set by fuse_projections (buffers: they move with the network to a device)
@@ -126,20 +154,22 @@ class LatentAttention(nn.Module):
             if self.qkv_a_proj is not None:
                 del self.q_a_proj, self.kv_a_proj_with_mqa
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(queries [T, heads * (qk_nope + rope)], kv_a output [T, lora + rope])."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(queries [T, heads * (qk_nope + rope)], kv_a output [T, lora + rope], the query latent after
+        q_a_layernorm [T, q_lora_rank] or None without a query rank)."""
         if hasattr(self, "q_proj"):
-            return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+            return self.q_proj(x), self.kv_a_proj_with_mqa(x), None
         if self.qkv_a_proj is not None:
             q_a, kv = self.qkv_a_proj(x).split([self.qkv_a_proj.out_features - self.lora - self.rope,
                                                 self.lora + self.rope], dim=-1)
         else:
             q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        return self.q_b_proj(self.q_a_layernorm(q_a)), kv
+        q_latent = self.q_a_layernorm(q_a)
+        return self.q_b_proj(q_latent), kv, q_latent
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         T, H = x.shape[0], self.num_heads
-        q, kv = self._project(x)
+        q, kv, q_latent = self._project(x)
         q = q.view(T, H, self.nope + self.rope)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
         c = self.kv_a_layernorm(kv[:, :self.lora])
@@ -148,12 +178,17 @@ class LatentAttention(nn.Module):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
         cache = meta.kv_caches[self.layer_idx]
+        index = None
+        if self.indexer is not None:  # the index key is stored after k_pe
+            iq, iw, ik = self.indexer(x, q_latent, cos, sin)
+            index = (iq, iw, self.indexer.topk)
+            k_pe = torch.cat([k_pe, ik[:, None]], dim=-1)
         cache.write(meta.full.slot_mapping, k_pe, c[:, None])
         w_uk, w_uv = self.w_uk, self.w_uv
         if w_uk is None:
             w = self.kv_b_proj.weight.view(H, self.nope + self.v_head, self.lora)
             w_uk, w_uv = w[:, :self.nope], w[:, self.nope:].transpose(1, 2)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, lora]: W_UK^T q_nope
-        o = latent_attention(torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1), cache, meta.full, self.scale)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, lora]: W_UK^T q_nope
+        o = latent_attention(torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1), cache, meta.full, self.scale, index)
         o = torch.bmm(o.transpose(0, 1), w_uv)  # [H, T, v_head]: W_UV o
         return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_head))

@@ -1,12 +1,20 @@
-"""Rotary position embedding (the rotate-half convention of Hugging Face checkpoints), with linear or YaRN
-frequency scaling."""
+"""Rotary position embedding (the rotate-half convention of Hugging Face checkpoints), with the frequency
+scalings that extend a model's context: linear (positions divided by the factor), YaRN and Llama 3's
+(both: low frequencies interpolated, high ones kept, a ramp between). NTK "dynamic" scaling is not here:
+its frequencies change with the sequence's current length, so a cached token's K would depend on how
+long its sequence later grew."""
 from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sudu import kernels
+
+if TYPE_CHECKING:
+    from sudu.model_config import ModelConfig
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -24,7 +32,10 @@ def yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, base: float, yarn: d
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), head_dim - 1)
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if yarn.get("truncate", True):  # whole dimensions (the paper's and DeepSeek's); gpt-oss keeps fractions
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / max(high - low, 0.001)).clamp(0, 1)
     inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
     attention_factor = yarn.get("attention_factor")
@@ -36,11 +47,24 @@ def yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, base: float, yarn: d
     return inv_freq, attention_factor
 
 
+def llama3_frequencies(inv_freq: torch.Tensor, llama3: dict) -> torch.Tensor:
+    """Llama 3.1's scaling: a dimension whose wavelength is longer than original / low_freq_factor turns
+    `factor` times slower, one shorter than original / high_freq_factor is kept, and in between the two
+    are mixed by where original / wavelength falls between the two factors."""
+    factor, original = llama3["factor"], llama3["original_max_position_embeddings"]
+    low, high = llama3.get("low_freq_factor", 1.0), llama3.get("high_freq_factor", 4.0)
+    wavelength = 2 * math.pi / inv_freq
+    mix = ((original / wavelength - low) / (high - low)).clamp(0, 1)
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    between = (wavelength <= original / low) & (wavelength >= original / high)
+    return torch.where(between, (1 - mix) * inv_freq / factor + mix * inv_freq, scaled)
+
+
 class RotaryEmbedding:
     """cos/sin tables for one (head_dim, base, scaling) triple, computed once up to max_positions."""
 
     def __init__(self, head_dim: int, base: float, max_positions: int, scaling_factor: float | None = None,
-                 yarn: dict | None = None):
+                 yarn: dict | None = None, llama3: dict | None = None):
         # explicit device: networks are built under torch.device("meta") before their weights load
         cpu = torch.device("cpu")
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
@@ -49,6 +73,8 @@ class RotaryEmbedding:
         attention_factor = 1.0
         if yarn:
             inv_freq, attention_factor = yarn_frequencies(inv_freq, head_dim, base, yarn)
+        if llama3:
+            inv_freq = llama3_frequencies(inv_freq, llama3)
         t = torch.arange(max_positions, dtype=torch.float32, device=cpu)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -88,6 +114,12 @@ class MRotaryEmbedding(RotaryEmbedding):
         rows = positions[self.axis].T  # [T, head_dim / 2]: the coordinate each channel pair turns with
         cos, sin = self.cos[rows, self.channels], self.sin[rows, self.channels]
         return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
+
+
+def scaled_rotary(cfg: ModelConfig) -> RotaryEmbedding:
+    """The rotary tables of a model's (global) attention layers with the config's scaling, up to its context."""
+    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling_factor,
+                           cfg.rope_yarn, cfg.rope_llama3)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

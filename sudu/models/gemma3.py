@@ -11,7 +11,7 @@ from sudu import kernels
 from sudu.layers.attention import AttentionMetadata, QKVProjections, paged_attention
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.norm import RMSNorm
-from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
+from sudu.layers.rotary import RotaryEmbedding, rotate_heads_, scaled_rotary
 from sudu.model_config import ModelConfig
 from sudu.models.llama import decode_view, native_linear, native_pools, native_step
 
@@ -85,7 +85,7 @@ class Gemma3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         n = cfg.max_position_embeddings
-        self.rotary_global = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, n, cfg.rope_scaling_factor)
+        self.rotary_global = scaled_rotary(cfg)
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_base_freq or 10000.0, n)
         self.embed_scale = cfg.hidden_size ** 0.5
         # (kernels gemma_decode, its weight list, sliding flags, final norm weight): prepare_native_decode

@@ -12,7 +12,7 @@ from sudu.layers.kv_cache import NATIVE_POOL_DTYPES, Int8KVCache, KVCache
 from sudu.layers.mlp import GatedMLP
 from sudu.layers.moe import SparseMoE
 from sudu.layers.norm import RMSNorm
-from sudu.layers.rotary import RotaryEmbedding, rotate_heads_
+from sudu.layers.rotary import rotate_heads_, scaled_rotary
 from sudu.model_config import ModelConfig
 
 _NO_SCALE = torch.empty(0)  # a float32 pool's place in the native stack's scale lists, an absent bias's in its weights
@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, yarn=cfg.rope_yarn)
+        self.rotary = scaled_rotary(cfg)
         self._native_decode = None  # (kernels llama_decode, its weight list): set by prepare_native_decode
 
     def prepare_native_decode(self) -> None:

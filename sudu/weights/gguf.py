@@ -231,6 +231,13 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     )
     if get("rope.scaling.type") == "linear":
         kwargs["rope_scaling_factor"] = float(get("rope.scaling.factor"))
+    if get("rope.scaling.type") == "yarn" and arch != "deepseek2":  # deepseek2's own reading: _mla_config
+        factor, original = float(get("rope.scaling.factor")), int(get("rope.scaling.original_context_length"))
+        kwargs["rope_yarn"] = {"factor": factor, "original_max_position_embeddings": original}
+        for key in ("beta_fast", "beta_slow"):
+            if get(f"rope.scaling.yarn_{key}") is not None:
+                kwargs["rope_yarn"][key] = float(get(f"rope.scaling.yarn_{key}"))
+        kwargs["max_position_embeddings"] = max(kwargs["max_position_embeddings"], int(original * factor))
     if arch in ("qwen2", "qwen2moe"):
         kwargs["attention_bias"] = True
     if get("expert_count"):

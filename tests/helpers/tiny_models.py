@@ -42,8 +42,8 @@ def build_tokenizer():
 
 
 def hf_config(arch: str, **overrides):
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma3TextConfig, LlamaConfig, MixtralConfig,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, Gemma3TextConfig, LlamaConfig,
+                              MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -70,7 +70,7 @@ def hf_config(arch: str, **overrides):
                              norm_topk_prob=True, **common)
     elif arch == "mixtral":
         cfg = MixtralConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **common)
-    elif arch in ("deepseek_v3", "deepseek_v2"):
+    elif arch in ("deepseek_v3", "deepseek_v2", "deepseek_v32"):
         # MLA (q and kv low-rank, decoupled rope dims), YaRN, first layer dense, then routed + shared experts;
         # V3: sigmoid scores, correction bias, 4 groups of 4 with 2 eligible
         mla = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -83,6 +83,9 @@ def hf_config(arch: str, **overrides):
                                     "mscale": 0.8, "mscale_all_dim": 0.8})
         if arch == "deepseek_v3":
             cfg = DeepseekV3Config(routed_scaling_factor=2.5, norm_topk_prob=True, **mla)
+        elif arch == "deepseek_v32":  # V3 + DeepSeek Sparse Attention: 4 index heads of 16, each query's 8 best
+            cfg = DeepseekV32Config(routed_scaling_factor=2.5, norm_topk_prob=True, index_n_heads=4, index_head_dim=16,
+                                    index_topk=8, **mla)
         else:  # mscale != mscale_all_dim: YaRN's attention factor scales cos/sin too
             mla["rope_parameters"]["mscale"] = 1.0
             cfg = DeepseekV2Config(routed_scaling_factor=1.5, topk_method="group_limited_greedy", **mla)
