@@ -188,3 +188,36 @@ def test_prompt_kernel_rejects_bad_shapes():
         pool12 = torch.randn(12, 2, 12)
         ext.prompt_attention(torch.randn(10, 4, 12), pool12, pool12, none, none, torch.arange(12),
                              torch.empty(10, 4, 12), 2, 0, 0.25)
+
+
+@pytest.mark.skipif(kernels.load() is None or not kernels.load().cpu_has_avx512(),
+                    reason="the wide attention path is AVX-512's")
+@pytest.mark.parametrize("kind", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("head_dim", [24, 64, 80, 128])
+def test_wide_attention_gives_the_avx2_bits(kind, head_dim, monkeypatch):
+    """attention512 (kernels.h KernelOptions) computes the same fused multiply-add chains as the AVX2 path, a
+    lane per key or per column: prompt chunks and decode rows bit for bit, at head sizes that fill 4, 3 or
+    no 16-wide column groups (24: the values stay on AVX2, the scores do not)."""
+    g = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads = 14, 2  # 7 query rows per kv head and position: row chunks of 8 and 6 with remainders
+    cache = make_kv_cache(kind, 512, kv_heads, head_dim, torch.float32)
+    if kind == "int8":
+        cache.set_range(torch.full((kv_heads, head_dim), 4.0), torch.full((kv_heads, head_dim), 4.0))
+    q_lens, slots = [149, 70, 1], [torch.arange(0, 149), torch.arange(200, 360), torch.arange(400, 410)]
+    prior = torch.cat([slots[1][:90], slots[2][:9]])
+    cache.write(prior, torch.randn(len(prior), kv_heads, head_dim, generator=g),
+                torch.randn(len(prior), kv_heads, head_dim, generator=g))
+    T = sum(q_lens)
+    q = torch.randn(T, heads, head_dim, generator=g)
+    k, v = torch.randn(T, kv_heads, head_dim, generator=g), torch.randn(T, kv_heads, head_dim, generator=g)
+    meta = A.build_metadata(q_lens, slots, [cache], None)
+    out = {}
+    for wide in (False, True):
+        with kernels.options(attention512=wide):
+            out[wide] = A.paged_attention(q, k, v, 0, meta, head_dim ** -0.5, sliding=False)
+    assert torch.equal(out[True], out[False])
+    q, k, v, meta = scenario(kind, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=head_dim)
+    for wide in (False, True):
+        with kernels.options(attention512=wide):
+            out[wide] = run(q, k, v, meta, True, monkeypatch)
+    assert torch.equal(out[True], out[False])

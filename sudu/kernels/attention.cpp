@@ -27,7 +27,8 @@
 // positions), the latest positions first from a shared counter (the causal triangle's uneven items even out
 // over the threads). Per item the G query heads of the kv head and its query positions are one block of
 // rows: each key block is gathered from the pool once, K transposed into an L1 buffer for register-blocked
-// scores (RS rows x 16 keys), V as rows for the weighted sums (RS rows x 16 columns).
+// scores (RS rows x 16 keys; AVX-512: RS512 rows x 32 keys), V as rows for the weighted sums (RS rows x 16
+// columns; AVX-512: 64). The AVX-512 products compute the AVX2 ones' chains lane for lane: the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -129,6 +130,79 @@ inline void values(const float* p, int64_t j0, int64_t j1, const float* vb, floa
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + r * D + c0 + 8 * c, a[r][c]);
 }
 
+// The same two products with AVX-512 (where the CPU has it: KernelOptions::attention512), bit for bit: a
+// score is still one fused multiply-add chain over d per key (a lane per key, 16 or 32 keys per call), and an
+// output column still sums p_j * v_j in key order (a lane per column). Twice the lanes per instruction, and
+// more rows per register block (32 registers).
+#define SUDU_AVX512 __attribute__((target("avx2,fma,f16c,avx512f")))
+constexpr int RS512 = 8;  // query rows per register block: 8 x 2 accumulators of 16 keys
+
+// s[r][c0 .. c0 + 16 NK) as scores<RB> (NK = 1 or 2 vectors of 16 keys).
+template <int RB, int NK>
+SUDU_AVX512 inline void scores512(const float* qs, int64_t D, const float* kt, int64_t c0, float* s) {
+  __m512 a[RB][NK];
+  for (int r = 0; r < RB; ++r)
+    for (int k = 0; k < NK; ++k) a[r][k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 kv[NK];
+    for (int k = 0; k < NK; ++k) kv[k] = _mm512_loadu_ps(kt + d * KB + c0 + 16 * k);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 qv = _mm512_set1_ps(qs[r * D + d]);
+      for (int k = 0; k < NK; ++k) a[r][k] = _mm512_fmadd_ps(qv, kv[k], a[r][k]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int k = 0; k < NK; ++k) _mm512_storeu_ps(s + r * KB + c0 + 16 * k, a[r][k]);
+}
+
+// o[r][c0 .. c0 + 16 NC) as values<RB, NC> (NC vectors of 16 columns).
+template <int RB, int NC>
+SUDU_AVX512 inline void values512(const float* p, int64_t j0, int64_t j1, const float* vb, float* o, int64_t D,
+                                  int64_t c0) {
+  __m512 a[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_loadu_ps(o + r * D + c0 + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vb + j * D + c0 + 16 * c);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 pv = _mm512_set1_ps(p[r * KB + j]);
+      for (int c = 0; c < NC; ++c) a[r][c] = _mm512_fmadd_ps(pv, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * D + c0 + 16 * c, a[r][c]);
+}
+
+// A block's scores for rows [0, R), columns [c0, c1) (multiples of 16), on AVX-512.
+SUDU_AVX512 void block_scores512(int64_t R, const float* qs, int64_t D, const float* kt, int64_t c0, int64_t c1,
+                                 float* s) {
+  row_chunks<RS512>(R, [&](auto rb, int64_t r0) {
+    constexpr int RB = decltype(rb)::value;
+    int64_t c = c0;
+    for (; c + 32 <= c1; c += 32) scores512<RB, 2>(qs + r0 * D, D, kt, c, s + r0 * KB);
+    if (c < c1) scores512<RB, 1>(qs + r0 * D, D, kt, c, s + r0 * KB);
+  });
+}
+
+// A block's weighted values for rows [0, R) over keys [a, b), on AVX-512 (D a multiple of 16).
+SUDU_AVX512 void block_values512(int64_t R, const float* p, int64_t a, int64_t b, const float* vb, float* o,
+                                 int64_t D) {
+  row_chunks<RS>(R, [&](auto rb, int64_t r0) {
+    constexpr int RB = decltype(rb)::value;
+    const float* pr = p + r0 * KB;
+    float* orow = o + r0 * D;
+    int64_t c = 0;
+    for (; c + 64 <= D; c += 64) values512<RB, 4>(pr, a, b, vb, orow, D, c);
+    switch ((D - c) / 16) {
+      case 3: values512<RB, 3>(pr, a, b, vb, orow, D, c); break;
+      case 2: values512<RB, 2>(pr, a, b, vb, orow, D, c); break;
+      case 1: values512<RB, 1>(pr, a, b, vb, orow, D, c); break;
+      default: break;
+    }
+  });
+}
+
 struct Scratch {
   std::vector<float> qs, o, s, kt, vb, m, l;
   std::vector<int64_t> lo, hi;
@@ -155,6 +229,8 @@ struct Scratch {
 template <typename KV>
 void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, const float* vs, Scratch& w) {
   const int64_t D = kv.D;
+  const bool wide = kernel_options().attention512;
+  const bool wide_values = wide && D % 16 == 0;
   int64_t jlo = std::numeric_limits<int64_t>::max(), jhi = 0;
   for (int64_t r = 0; r < R; ++r) {
     const float* src = w.q[r];
@@ -192,10 +268,13 @@ void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, c
         for (int u = 0; u < 8; ++u) kt[(d + u) * KB + j] = tmp[u];
       }
     }
-    row_chunks<RS>(R, [&](auto rb, int64_t r0) {
-      constexpr int RB = decltype(rb)::value;
-      for (int64_t c = c0; c < c1; c += 16) scores<RB>(w.qs.data() + r0 * D, D, kt, c, w.s.data() + r0 * KB);
-    });
+    if (wide)
+      block_scores512(R, w.qs.data(), D, kt, c0, c1, w.s.data());
+    else
+      row_chunks<RS>(R, [&](auto rb, int64_t r0) {
+        constexpr int RB = decltype(rb)::value;
+        for (int64_t c = c0; c < c1; c += 16) scores<RB>(w.qs.data() + r0 * D, D, kt, c, w.s.data() + r0 * KB);
+      });
     // per row: its span within the block, the running max and sum, the block's weights in place of its scores
     for (int64_t r = 0; r < R; ++r) {
       const int64_t jb = std::max(w.lo[r], j0) - j0, je = std::min(w.hi[r], j0 + KB) - j0;
@@ -229,14 +308,17 @@ void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, c
       const KV* src = kv.v(j0 + jj);
       for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vb + jj * D + d, load8(src + d));
     }
-    row_chunks<RS>(R, [&](auto rb, int64_t r0) {
-      constexpr int RB = decltype(rb)::value;
-      const float* p = w.s.data() + r0 * KB;
-      float* o = w.o.data() + r0 * D;
-      int64_t c = 0;
-      for (; c + 16 <= D; c += 16) values<RB, 2>(p, a, b, vb, o, D, c);
-      if (c < D) values<RB, 1>(p, a, b, vb, o, D, c);
-    });
+    if (wide_values)
+      block_values512(R, w.s.data(), a, b, vb, w.o.data(), D);
+    else
+      row_chunks<RS>(R, [&](auto rb, int64_t r0) {
+        constexpr int RB = decltype(rb)::value;
+        const float* p = w.s.data() + r0 * KB;
+        float* o = w.o.data() + r0 * D;
+        int64_t c = 0;
+        for (; c + 16 <= D; c += 16) values<RB, 2>(p, a, b, vb, o, D, c);
+        if (c < D) values<RB, 1>(p, a, b, vb, o, D, c);
+      });
   }
   for (int64_t r = 0; r < R; ++r) {
     const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;  // a row that sees no key: zeros

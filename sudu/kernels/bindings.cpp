@@ -30,10 +30,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("unpack_min_rows", &KernelOptions::unpack_min_rows)
       .def_readwrite("bypass_min_rows", &KernelOptions::bypass_min_rows)
       .def_readwrite("contiguous_shares", &KernelOptions::contiguous_shares)
-      .def_readwrite("fused_silu", &KernelOptions::fused_silu);
+      .def_readwrite("fused_silu", &KernelOptions::fused_silu)
+      .def_readwrite("attention512", &KernelOptions::attention512);
   m.def("kernel_options", &kernel_options, "the quantized products' options now (a copy)");
   m.def("set_kernel_options", &set_kernel_options, "set the quantized products' options; returns the previous ones");
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether this CPU has the AVX-512 VNNI path");
+  m.def("cpu_has_avx512", &cpu_has_avx512, "whether this CPU has AVX-512F (attention's wide path)");
   m.def("isa", &isa, "the dot-product instruction set the calls use now");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out",
         py::call_guard<py::gil_scoped_release>());

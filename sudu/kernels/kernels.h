@@ -33,8 +33,8 @@ torch::Tensor dequantize(torch::Tensor q, bool bf16, int64_t t0, int64_t t1);
 torch::Tensor embedding_rows(torch::Tensor q, torch::Tensor ids, int64_t K);
 int64_t tile_bytes(int64_t fmt, int64_t K);
 torch::Tensor repack_gguf(torch::Tensor blocks, int64_t fmt, int64_t K);
-// The quantized products' switches in one place. The defaults are what sudu runs; tests and benchmarks set
-// others to compare routes that compute the same values (every option leaves every output unchanged).
+// The kernels' switches in one place. The defaults are what sudu runs; tests and benchmarks set others to
+// compare routes that compute the same values (every option leaves every output unchanged).
 struct KernelOptions {
   bool vnni = false;               // AVX-512 VNNI dot products (only where the CPU has them), else AVX2
   int64_t unpack_min_rows = 64;    // VNNI: from this many rows a GGUF tile's codes are assembled once per call
@@ -44,8 +44,10 @@ struct KernelOptions {
   int64_t bypass_min_rows = 64;
   bool contiguous_shares = true;   // each thread streams a contiguous share of the tiles (else a shared counter)
   bool fused_silu = true;          // qlinear_silu applies silu * up inside the call (else qlinear, then silu_mul)
+  bool attention512 = false;       // attention's products on AVX-512 (only where the CPU has it), else AVX2
 };
 bool cpu_has_vnni();
+bool cpu_has_avx512();
 KernelOptions kernel_options();
 // Checked (no VNNI where the CPU lacks it); returns the previous options.
 KernelOptions set_kernel_options(const KernelOptions& o);

@@ -216,6 +216,7 @@ constexpr int MR = 4, MR_VNNI = 8;
 KernelOptions default_options() {
   KernelOptions o;
   o.vnni = cpu_has_vnni();
+  o.attention512 = cpu_has_avx512();
   return o;
 }
 KernelOptions options = default_options();
@@ -729,10 +730,16 @@ bool cpu_has_vnni() {
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
 }
 
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
 KernelOptions kernel_options() { return options; }
 
 KernelOptions set_kernel_options(const KernelOptions& o) {
   TORCH_CHECK(!o.vnni || cpu_has_vnni(), "this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(!o.attention512 || cpu_has_avx512(), "this CPU has no AVX-512");
   TORCH_CHECK(o.unpack_min_rows > 0 && o.bypass_min_rows > 0, "row thresholds must be positive");
   return std::exchange(options, o);
 }
