@@ -143,16 +143,10 @@ def test_prompt_chunks_attend_in_the_metadatas_sdpa_dtype(kind):
     assert torch.equal(lowp[70:], ref[70:])
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("window", [None, 23])
-@pytest.mark.parametrize("head_dim", [24, 64])
-def test_prompt_kernel_matches_sdpa(kind, window, head_dim, monkeypatch):
-    """The native prompt-chunk kernel (kernels/attention.cpp prompt_attention) against SDPA on the same metadata: a
-    first chunk from position 0 (149 tokens: item and key blocks with ragged ends), a later chunk of 70 over
-    90 cached keys (under a mask), grouped heads, sliding windows, a strided query; decode rows in the same
-    step untouched."""
-    g = torch.Generator().manual_seed(7)
-    heads, kv_heads = 6, 2
+def chunk_pool(kind: str, kv_heads: int, head_dim: int, g: torch.Generator):
+    """A pool holding two sequences' cached keys: (cache, q_lens, slots) of a step with a first chunk from
+    position 0 (149 tokens: item and key blocks with ragged ends), a later chunk of 70 over 90 cached keys, and
+    one decode over 9."""
     cache = make_kv_cache(kind, 512, kv_heads, head_dim, torch.float32)
     if kind == "int8":
         cache.set_range(torch.full((kv_heads, head_dim), 4.0), torch.full((kv_heads, head_dim), 4.0))
@@ -160,6 +154,19 @@ def test_prompt_kernel_matches_sdpa(kind, window, head_dim, monkeypatch):
     prior = torch.cat([slots[1][:90], slots[2][:9]])
     cache.write(prior, torch.randn(len(prior), kv_heads, head_dim, generator=g),
                 torch.randn(len(prior), kv_heads, head_dim, generator=g))
+    return cache, q_lens, slots
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("window", [None, 23])
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_prompt_kernel_matches_sdpa(kind, window, head_dim, monkeypatch):
+    """The native prompt-chunk kernel (kernels/attention.cpp prompt_attention) against SDPA on the same metadata
+    (chunk_pool's step; the later chunk under a mask), grouped heads, sliding windows, a strided query; decode
+    rows in the same step untouched."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads = 6, 2
+    cache, q_lens, slots = chunk_pool(kind, kv_heads, head_dim, g)
     T = sum(q_lens)
     qk = torch.randn(T, heads + kv_heads, head_dim, generator=g)
     q, k = qk[:, :heads], qk[:, heads:]  # q strided, as the fused projection hands it over
@@ -200,13 +207,7 @@ def test_wide_attention_gives_the_avx2_bits(kind, head_dim, monkeypatch):
     no 16-wide column groups (24: the values stay on AVX2, the scores do not)."""
     g = torch.Generator().manual_seed(head_dim)
     heads, kv_heads = 14, 2  # 7 query rows per kv head and position: row chunks of 8 and 6 with remainders
-    cache = make_kv_cache(kind, 512, kv_heads, head_dim, torch.float32)
-    if kind == "int8":
-        cache.set_range(torch.full((kv_heads, head_dim), 4.0), torch.full((kv_heads, head_dim), 4.0))
-    q_lens, slots = [149, 70, 1], [torch.arange(0, 149), torch.arange(200, 360), torch.arange(400, 410)]
-    prior = torch.cat([slots[1][:90], slots[2][:9]])
-    cache.write(prior, torch.randn(len(prior), kv_heads, head_dim, generator=g),
-                torch.randn(len(prior), kv_heads, head_dim, generator=g))
+    cache, q_lens, slots = chunk_pool(kind, kv_heads, head_dim, g)
     T = sum(q_lens)
     q = torch.randn(T, heads, head_dim, generator=g)
     k, v = torch.randn(T, kv_heads, head_dim, generator=g), torch.randn(T, kv_heads, head_dim, generator=g)
