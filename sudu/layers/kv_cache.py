@@ -101,6 +101,11 @@ class KVCache:
         v = self.v.index_select(0, flat).to(dtype)
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
 
+    def read_k(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K alone (sparse attention ranks every key by it, then reads V of the chosen ones only)."""
+        k = self.k.index_select(0, slots.reshape(-1)).to(dtype)
+        return k.view(*slots.shape, *k.shape[1:])
+
 
 class KVRangeRecorder(KVCache):
     """A float32 pool that records, over everything written to it, K's largest rotate-half pair norm and V's
@@ -149,6 +154,10 @@ class Int8KVCache(KVCache):
         k = self.k.index_select(0, flat).to(dtype) * self.k_scale.to(dtype)
         v = self.v.index_select(0, flat).to(dtype) * self.v_scale.to(dtype)
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+
+    def read_k(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        k = self.k.index_select(0, slots.reshape(-1)).to(dtype) * self.k_scale.to(dtype)
+        return k.view(*slots.shape, *k.shape[1:])
 
 
 def pool_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
