@@ -2,7 +2,8 @@
 DeepSeek-V3.2's attention shape (heads, kv_lora_rank, rope, nope, v and the indexer's 64 heads of 128 as
 published; hidden size scaled down, which only the projections feel) over a pool of `depth` keys, dense
 (every key attended) and sparse (the indexer scores every key, attention reads the top 2048). Random
-weights and pool: the times are what count. Both run in this process, alternating, median of --repeats.
+weights and pool: the times are what count. Both run in this process, alternating for --rounds rounds; each
+figure is the best round's median of --repeats steps (the least disturbed by other work on the machine).
 
     flock /tmp/sudu-bench.lock python -m benchmarks.sparse_attention_depth [--depths 2048,8192,32768]
 """
@@ -55,20 +56,24 @@ def step_s(layer, pool, depth: int, rotary, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depths", default="2048,8192,32768")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dense_cfg = ModelConfig(**SHAPE)
     sparse_cfg = dataclasses.replace(dense_cfg, **SPARSE)
-    print(f"one decode step of one V3.2-shaped MLA layer, {args.threads} threads, median of {args.repeats}")
+    print(f"one decode step of one V3.2-shaped MLA layer, {args.threads} threads, best of {args.rounds} rounds' "
+          f"medians of {args.repeats}")
     print(f"{'depth':>7} {'dense ms':>9} {'sparse ms':>10} {'sparse/dense':>13}")
     for depth in (int(d) for d in args.depths.split(",")):
         rotary = RotaryEmbedding(64, 10000.0, depth + 1)
         dense, dense_pool = layer_and_pool(dense_cfg, depth)
         sparse, sparse_pool = layer_and_pool(sparse_cfg, depth)
+        step_s(dense, dense_pool, depth, rotary, 1)  # warm-up: first-call costs stay out of the figures
+        step_s(sparse, sparse_pool, depth, rotary, 1)
         d_times, s_times = [], []
-        for _ in range(2):  # alternate: drift falls on both alike
+        for _ in range(args.rounds):  # alternate: drift falls on both alike
             d_times.append(step_s(dense, dense_pool, depth, rotary, args.repeats))
             s_times.append(step_s(sparse, sparse_pool, depth, rotary, args.repeats))
         d, s = min(d_times), min(s_times)

@@ -107,6 +107,14 @@ class ModelConfig:
             return 1, self.qk_rope_head_dim + (self.index_head_dim if self.index_topk else 0), self.kv_lora_rank
         return self.num_key_value_heads, self.head_dim, self.head_dim
 
+    def kv_rotary_spans(self) -> list[tuple[int, int]]:
+        """(start, width) spans of a pool entry's K that RoPE rotates in halves: all of K, or with latent
+        attention its rotary part, and the sparse-attention index key's first qk_rope_head_dim channels."""
+        if not self.kv_lora_rank:
+            return [(0, self.head_dim)]
+        rope = self.qk_rope_head_dim
+        return [(0, rope), (rope, rope)] if self.index_topk else [(0, rope)]
+
     def is_moe(self, layer_idx: int) -> bool:
         return bool(self.num_experts) and self.moe_layers[layer_idx]
 

@@ -167,3 +167,21 @@ def test_engine_greedy_unchanged_by_prefix_cache_and_chunks(tmp_path):
     # a second time: the prompts' blocks (index keys included) come from the prefix cache
     assert [r.token_ids for r in chunked.generate(prompts, params)] == expected
     assert chunked.engine.block_manager.num_free_blocks == chunked.engine.block_manager.num_blocks
+
+
+def test_compressed_pools_hold_the_index_keys(tmp_path):
+    """float16 and int8 pools carry [k_pe ; index key]. int8's per-channel scales bound the rotary key part by its
+    own pair norms, not by the index key's (which is several times larger here), and a float16 pool gives the
+    float32 pool's greedy tokens."""
+    from tests.helpers.greedy import greedy_agreement
+
+    path = save_tiny_model(tmp_path / "v32", "deepseek_v32", seed=3)
+    plain = LLM(str(path), progress=False, kv_cache_dtype="float32")
+    i8 = LLM(str(path), progress=False, kv_cache_dtype="int8")
+    cfg = i8.engine.runner.model_cfg
+    rope = cfg.qk_rope_head_dim
+    for pool in i8.engine.runner.kv_caches:
+        assert pool.k_scale.shape == (1, rope + cfg.index_head_dim)
+        assert pool.k_scale[0, :rope].max() < pool.k_scale[0, rope:].min() / 2
+    f16 = LLM(str(path), progress=False, kv_cache_dtype="float16")
+    assert greedy_agreement(plain, f16, prompts_of([40, 25], seed=4), 12) == 1.0

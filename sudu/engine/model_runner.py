@@ -50,7 +50,8 @@ def kv_bytes_per_token(model_cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtyp
 def range_recorders(model_cfg: ModelConfig, num_slots: int, device: torch.device | str = "cpu") -> list[KVRangeRecorder]:
     """One float32 pool per layer that records its K and V ranges (layers/kv_cache.py KVRangeRecorder)."""
     heads, k_dim, v_dim = model_cfg.kv_cache_shape()
-    return [KVRangeRecorder(num_slots, heads, k_dim, device, v_dim) for _ in range(model_cfg.num_hidden_layers)]
+    spans = model_cfg.kv_rotary_spans()
+    return [KVRangeRecorder(num_slots, heads, k_dim, device, v_dim, spans) for _ in range(model_cfg.num_hidden_layers)]
 
 
 @torch.inference_mode()

@@ -101,22 +101,34 @@ class KVCache:
         v = self.v.index_select(0, flat).to(dtype)
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
 
+    def read_k(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K alone (sparse attention ranks every key by it, then reads V of the chosen ones only)."""
+        k = self.k.index_select(0, slots.reshape(-1)).to(dtype)
+        return k.view(*slots.shape, *k.shape[1:])
+
 
 class KVRangeRecorder(KVCache):
     """A float32 pool that records, over everything written to it, K's largest rotate-half pair norm and V's
-    largest magnitude per (kv head, channel): the calibration pass's pool."""
+    largest magnitude per (kv head, channel): the calibration pass's pool.
+
+    k_rotary: the (start, width) spans of K rotated in halves (a pair's norm bounds both its channels at any
+    position); K's other channels are bounded by their own magnitude. Default: all of K, one span."""
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
-                 v_head_dim: int | None = None):
+                 v_head_dim: int | None = None, k_rotary: list[tuple[int, int]] | None = None):
         super().__init__(num_slots, num_kv_heads, head_dim, torch.float32, device, v_head_dim)
         self.k_max = torch.zeros(num_kv_heads, head_dim, device=device)
         self.v_max = torch.zeros(num_kv_heads, v_head_dim or head_dim, device=device)
+        self.k_rotary = k_rotary if k_rotary is not None else [(0, head_dim)]
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = k.float(), v.float()
-        a, b = k.chunk(2, dim=-1)
-        pair = torch.hypot(a, b)
-        torch.maximum(self.k_max, torch.cat([pair, pair], dim=-1).amax(0), out=self.k_max)
+        bound = k.abs()
+        for start, width in self.k_rotary:
+            half = width // 2
+            pair = torch.hypot(k[..., start:start + half], k[..., start + half:start + width])
+            bound[..., start:start + width] = torch.cat([pair, pair], dim=-1)
+        torch.maximum(self.k_max, bound.amax(0), out=self.k_max)
         torch.maximum(self.v_max, v.abs().amax(0), out=self.v_max)
         super().write(slots, k, v)
 
@@ -149,6 +161,10 @@ class Int8KVCache(KVCache):
         k = self.k.index_select(0, flat).to(dtype) * self.k_scale.to(dtype)
         v = self.v.index_select(0, flat).to(dtype) * self.v_scale.to(dtype)
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+
+    def read_k(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        k = self.k.index_select(0, slots.reshape(-1)).to(dtype) * self.k_scale.to(dtype)
+        return k.view(*slots.shape, *k.shape[1:])
 
 
 def pool_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:

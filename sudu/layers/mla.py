@@ -43,6 +43,24 @@ def _fold_heads_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
     return mask.unsqueeze(-3).expand(*mask.shape[:-2], heads, *mask.shape[-2:]).flatten(-3, -2)
 
 
+SPARSE_PROMPT_ROWS = 64  # a prompt's rows ranked and attended together (each gathers index_topk keys)
+
+
+def sparse_rows(q, index, cache: KVCache, key_slots, mask, q_start: int, scale: float, rope: int, out) -> None:
+    """DeepSeek Sparse Attention for one sequence's new rows (q rows q_start.., mask [rows, keys]): every key's
+    index key read and ranked, then only the chosen keys' latents read and attended, SPARSE_PROMPT_ROWS rows
+    at a time."""
+    iq, iw, topk = index
+    lora = cache.v.shape[-1]
+    k_all = cache.read_k(key_slots, q.dtype)[:, 0]  # [keys, rope + index]
+    for start in range(0, mask.shape[0], SPARSE_PROMPT_ROWS):
+        rows = slice(q_start + start, q_start + min(start + SPARSE_PROMPT_ROWS, mask.shape[0]))
+        order, valid = top_k_keys(iq[rows], iw[rows], k_all[:, rope:], mask[start:start + SPARSE_PROMPT_ROWS], topk)
+        chosen_k, chosen_c = cache.read(key_slots[order], q.dtype)  # [r, topk, 1, .]
+        keys = torch.cat([chosen_c, chosen_k[..., :rope]], dim=-1)[:, :, 0]
+        out[rows] = attend_selected(q[rows], keys, valid, scale, lora)
+
+
 def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float, index=None) -> torch.Tensor:
     """q: [T, H, kv_lora_rank + rope] (latent-space queries, rotary part last) for the new tokens, whose
     entries are already in the pool. Returns each head's latent output [T, H, kv_lora_rank].
@@ -58,37 +76,37 @@ def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float, index=
     rope = D - lora
     out = q.new_empty(T, H, lora)
     for s in view.seqs:
-        k_all, c = cache.read(s.key_slots, q.dtype)  # [keys, 1, rope (+ index)], [keys, 1, lora]
-        keys = torch.cat([c, k_all[..., :rope]], dim=-1)[:, 0]
-        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).reshape(1, 1, H * s.q_len, D)
         mask = s.mask
         if mask is None:  # plain causal from position 0: the new tokens are the whole context
             mask = torch.ones(s.q_len, s.q_len, dtype=torch.bool, device=q.device).tril()
         if index is not None:
-            iq, iw, topk = index
-            rows = slice(s.q_start, s.q_start + s.q_len)
-            order, valid = top_k_keys(iq[rows], iw[rows], k_all[:, 0, rope:], mask, topk)
-            out[rows] = attend_selected(q[rows], keys[order], valid, scale, lora)
+            sparse_rows(q, index, cache, s.key_slots, mask, s.q_start, scale, rope, out)
             continue
+        k_all, c = cache.read(s.key_slots, q.dtype)  # [keys, 1, rope], [keys, 1, lora]
+        keys = torch.cat([c, k_all], dim=-1)[:, 0]
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).reshape(1, 1, H * s.q_len, D)
         o = F.scaled_dot_product_attention(qs, keys[None, None], keys[None, None],
                                            attn_mask=_fold_heads_mask(mask, H), scale=scale)
         out[s.q_start:s.q_start + s.q_len] = o[..., :lora].view(H, s.q_len, lora).transpose(0, 1)
     d = view.decode
     if d is not None:
         B, max_q = d.rows.shape
-        qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, H, D)
-        qd = qd.transpose(1, 2).reshape(B, 1, H * max_q, D)
-        k_all, c = cache.read(d.slots, q.dtype)  # [B, keys, 1, rope (+ index)], [B, keys, 1, lora]
-        keys = torch.cat([c, k_all[..., :rope]], dim=-1)[:, :, 0]
         if index is not None:
             iq, iw, topk = index
             flat = d.rows.reshape(-1).clamp_min(0)
+            k_all = cache.read_k(d.slots, q.dtype)  # [B, keys, 1, rope + index]: every key ranked, latents read
+            # for the chosen ones only
             order, chosen_valid = top_k_keys(iq.index_select(0, flat).view(B, max_q, *iq.shape[1:]),
                                              iw.index_select(0, flat).view(B, max_q, -1), k_all[:, :, 0, rope:],
                                              d.mask[:, 0], topk)
-            chosen = keys[torch.arange(B, device=q.device)[:, None, None], order]  # [B, max_q, topk, D]
-            o = attend_selected(q.index_select(0, flat), chosen.flatten(0, 1), chosen_valid.flatten(0, 1), scale, lora)
+            chosen_k, chosen_c = cache.read(d.slots.gather(1, order.flatten(1)), q.dtype)  # [B, max_q * topk, 1, .]
+            chosen = torch.cat([chosen_c, chosen_k[..., :rope]], dim=-1)[:, :, 0].view(B * max_q, topk, D)
+            o = attend_selected(q.index_select(0, flat), chosen, chosen_valid.flatten(0, 1), scale, lora)
         else:
+            qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, H, D)
+            qd = qd.transpose(1, 2).reshape(B, 1, H * max_q, D)
+            k_all, c = cache.read(d.slots, q.dtype)  # [B, keys, 1, rope], [B, keys, 1, lora]
+            keys = torch.cat([c, k_all], dim=-1)[:, :, 0]
             # a batch without padding (e.g. one decoding sequence) needs no mask, and SDPA's fused kernel
             # takes it without one
             mask = None if bool(d.mask.all()) else _fold_heads_mask(d.mask, H)
