@@ -15,7 +15,7 @@ from sudu.engine.promises import Promise, PromiseBook
 from sudu.engine.schedule_policy import COLD_PENALTY, order_key
 from sudu.engine.scheduler import Scheduler
 from sudu.engine.sequence import Sequence
-from sudu.engine.wait_predictor import (COLD_RETRY_S, EngineLoad, SeqLoad, ServiceRates, predict_wait,
+from sudu.engine.wait_predictor import (COLD_RETRY_S, EngineLoad, SeqLoad, ServiceRates, WaitModel, predict_wait,
                                         raw_wait_s)
 from sudu.sampling import SamplingParams
 
@@ -276,3 +276,19 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         assert engine.try_admit("second-again", fresh).admitted
         assert engine.try_admit("third-again", other).queue_s == pytest.approx(1.395)
         assert engine.stats()["admission_promised"] == 1
+
+
+def test_prompts_beside_decoders_are_predicted_at_the_chunk_allowance():
+    """With --max-itl-factor 2, a step carrying prompt chunks takes two decode steps, half of it the prompt's:
+    prompt tokens beside decoding sequences cost twice their rate alone, decode steps twice theirs."""
+    rates = WaitModel(max_num_seqs=2, aging_s=AGING_S, itl_factor=2.0).rates
+    rates.prefill_s_per_token, rates.decode_step_s, rates.output_tokens = 0.01, 0.1, 10.0
+    alone = raw_wait_s(EngineLoad(), SeqLoad(100, 16), 2, rates, now=0.0, aging_s=AGING_S)
+    assert alone[:2] == (pytest.approx(1.0), pytest.approx(1.0))  # nothing decodes: the prompt at full rate
+    # one running sequence decoding 10 more tokens: the new prompt's 100 tokens at 0.02 s (2.0 s) in the free
+    # slot; the serial bound is the same 100 tokens
+    beside = raw_wait_s(EngineLoad(running=(SeqLoad(0, 10),)), SeqLoad(100, 16), 2, rates, now=0.0, aging_s=AGING_S)
+    assert beside[:2] == (pytest.approx(2.0), pytest.approx(2.0))
+    # both slots taken: the new one starts when the first frees, after its 10 tokens at 0.2 s a step (2.0 s)
+    full = EngineLoad(running=(SeqLoad(0, 10), SeqLoad(0, 30)))
+    assert raw_wait_s(full, SeqLoad(100, 16), 2, rates, now=0.0, aging_s=AGING_S)[0] == pytest.approx(2.0 + 2.0)

@@ -14,7 +14,9 @@ answers 503 and exits non-zero, for a supervisor to restart it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -159,17 +161,33 @@ class AsyncLLMEngine:
             arrival = promise.arrival if promise is not None else now
             new = SeqLoad(len(ids) - cached, request.max_tokens, 0, priority, is_continuing(cached, len(ids)), arrival)
             transit = tuple(s for _, loads in self._in_transit.values() for s in loads)
-            promised = self._promises.ahead(now, self.config.max_queue_wait)
             base = self._load
-            load = EngineLoad(base.running, base.waiting + transit + promised)
-            prediction, _ = predict_wait(load, new, self.config.max_num_seqs, self.engine.wait_model.rates,
-                                         self.config.max_queue_wait, now, self.config.priority_aging_s)
+
+            def predict(promised: tuple[SeqLoad, ...]) -> WaitPrediction:
+                load = EngineLoad(base.running, base.waiting + transit + promised)
+                return predict_wait(load, new, self.config.max_num_seqs, self.engine.wait_model.rates,
+                                    self.config.max_queue_wait, now, self.config.priority_aging_s)[0]
+
+            # admitted now: the promises due before its first token would be ahead of it. A request that would
+            # start at once on the engine's real queue (a free slot, no prompt ahead) is admitted whatever was
+            # promised: refusing it would only idle the engine, and the promises' owners still go first when
+            # they come back
+            prediction = predict(self._promises.ahead(now, self.config.max_queue_wait))
+            if not prediction.admitted and len(self._promises):
+                now_alone = predict(())
+                if now_alone.queue_s == 0.0:
+                    prediction = now_alone
             loads = (new,) * request.params.n
             if prediction.admitted:
                 self._in_transit[request_id] = (now, loads)
                 if promise is not None:
                     self._arrival_of[request_id] = arrival
             elif prediction.wait_s is not None:
+                # told to come back: every promise made before is ahead of it by then (a virtual queue), so
+                # its Retry-After is when that backlog too will have been worked off
+                prediction = dataclasses.replace(
+                    prediction, retry_after_s=max(prediction.retry_after_s,
+                                                  predict(self._promises.ahead(now, math.inf)).retry_after_s))
                 self._promises.keep(key, Promise(now + prediction.retry_after_s, arrival, loads))
         return prediction
 

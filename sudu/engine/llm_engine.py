@@ -102,7 +102,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_when_decoding, config.max_itl_factor,
                                    config.priority_aging_s)
-        self.wait_model = WaitModel(config.max_num_seqs, config.priority_aging_s)
+        self.wait_model = WaitModel(config.max_num_seqs, config.priority_aging_s,
+                                    config.max_itl_factor if not config.prefill_chunk_when_decoding else 1.0)
         # the CPU keeps its per-request torch generators; elsewhere the batch is sampled where its logits are
         self.sampler = Sampler(config.seed) if self.runner.device.type == "cpu" else DeviceSampler(config.seed)
         self.sequence_seeds = torch.Generator().manual_seed(config.seed)  # for sequences without params.seed

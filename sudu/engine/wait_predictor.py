@@ -18,6 +18,9 @@ uncached prompt is computed. Prompt computation is also one serial resource: the
 token cannot come before every prompt token ahead of it and its own are computed. The prediction is the
 larger of the two, times the calibration factor; the limit is held against its part spent behind others
 (the prediction less the request's own prompt time).
+While sequences decode, prompt tokens share steps with them under the scheduler's chunk allowance (a step
+carrying prompt chunks takes up to `--max-itl-factor` decode steps): prompt tokens then cost
+factor / (factor - 1) times their rate alone, and decode steps up to factor times theirs.
 
 Cold start: before both speeds have been measured (a step with prompt tokens, a decode-only step) there is
 no honest number to give; a request is then admitted only if it would start at once (a slot free for it
@@ -97,6 +100,9 @@ class ServiceRates:
         # decayed sums of prompt seconds and prompt tokens: a step's share in the rate is its token count, so
         # a mixed step of a few prompt tokens (whose cost beyond a decode step is mostly noise) weighs little
         self._prefill_s = self._prefill_tokens = 0.0
+        # how much slower prompt tokens and decode steps go while the two share steps (WaitModel sets them
+        # from the scheduler's chunk allowance, --max-itl-factor); 1: as fast as alone
+        self.mixed_prefill_factor = self.mixed_decode_factor = 1.0
 
     def expected_remaining(self, load: "SeqLoad") -> float:
         """Tokens a sequence will still generate: its max_tokens left, at most what sequences have been
@@ -154,6 +160,12 @@ def raw_wait_s(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: Service
     p, d = rates.prefill_s_per_token, rates.decode_step_s
     new_key = new.key(now, aging_s)
     ahead = sorted((w for w in load.waiting if w.key(now, aging_s) < new_key), key=lambda w: w.key(now, aging_s))
+    # prompts computed beside decoding sequences share their steps: the chunk allowance gives a prompt the
+    # time of (factor - 1) decode steps per step, so prompt tokens go slower and decode steps take longer
+    if load.running:
+        p *= rates.mixed_prefill_factor
+    if new.prefill_tokens or any(w.prefill_tokens for w in ahead) or any(s.prefill_tokens for s in load.running):
+        d *= rates.mixed_decode_factor
     slots = [s.prefill_tokens * p + rates.expected_remaining(s) * d for s in load.running]
     slots += [0.0] * max(max_num_seqs - len(slots), 0)
     heapq.heapify(slots)
@@ -213,10 +225,15 @@ class WaitModel:
     request's first token will come; at its first token the actual wait is compared with it. Engine thread
     only, except `rates`, which any thread may read."""
 
-    def __init__(self, max_num_seqs: int, aging_s: float):
+    def __init__(self, max_num_seqs: int, aging_s: float, itl_factor: float = 1.0):
+        """itl_factor: the scheduler's --max-itl-factor; a step carrying prompt chunks beside decoding
+        sequences takes up to that many decode steps' time, of which all but one go to the prompts."""
         self.max_num_seqs = max_num_seqs
         self.aging_s = aging_s
         self.rates = ServiceRates()
+        if itl_factor > 1.0:
+            self.rates.mixed_prefill_factor = itl_factor / (itl_factor - 1.0)
+            self.rates.mixed_decode_factor = itl_factor
         # request id -> (its uncalibrated prediction at add, when it was added)
         self._predicted_raw_s: dict[str, tuple[float, float]] = {}
 
