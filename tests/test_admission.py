@@ -292,3 +292,36 @@ def test_prompts_beside_decoders_are_predicted_at_the_chunk_allowance():
     # both slots taken: the new one starts when the first frees, after its 10 tokens at 0.2 s a step (2.0 s)
     full = EngineLoad(running=(SeqLoad(0, 10), SeqLoad(0, 30)))
     assert raw_wait_s(full, SeqLoad(100, 16), 2, rates, now=0.0, aging_s=AGING_S)[0] == pytest.approx(2.0 + 2.0)
+
+
+def test_promises_neither_idle_the_engine_nor_shorten_a_retry(tiny_model_dirs):
+    """Promised work counts ahead of a new arrival, but a request that would start at once on the engine's
+    real queue is admitted anyway; and a refusal's Retry-After counts every earlier promise, due soon or not
+    (a virtual queue), where admission counts only those due within the limit."""
+    import time
+
+    from sudu.config import EngineConfig
+    from sudu.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig(model=str(tiny_model_dirs["llama"]), max_model_len=1024, max_num_seqs=4,
+                          kv_cache_memory=8 << 20, max_queue_wait=1.0)
+    engine = AsyncLLMEngine(config, progress=False)
+    rates = engine.engine.wait_model.rates
+    rates.prefill_s_per_token, rates.decode_step_s = 0.01, 0.001
+    book = engine._promises
+    book.show_rate = 1.0  # clients that always come back: every promise counts
+    now = time.perf_counter()
+    book.keep(1, Promise(due=now + 0.5, arrival=now - 1.0, loads=(SeqLoad(200, 4, arrival_time=now - 1.0),)))
+    book.keep(2, Promise(due=now + 100.0, arrival=now - 1.0, loads=(SeqLoad(500, 4, arrival_time=now - 1.0),)))
+
+    def request(first: int):
+        return engine.check_request([first + i for i in range(31)], SamplingParams(max_tokens=4))
+
+    # nothing runs or waits: the 200 promised tokens due in 0.5 s would make a 2 s queue, but refusing would
+    # only idle the engine
+    assert engine.try_admit("a", request(100)).admitted
+    # now a prompt is in transit ahead: 2.31 s behind the promise due soon and it, refused; told to come back
+    # after the far promise's 500 tokens too: ceil((200 + 500 + 31) x 0.01 - 1.0) = 7 s
+    refused = engine.try_admit("b", request(200))
+    assert not refused.admitted and refused.queue_s == pytest.approx(2.31)
+    assert refused.retry_after_s == 7
