@@ -211,6 +211,9 @@ def test_repeated_image_hits_the_encoder_and_prefix_caches(vlm):
         other = chat(s, [user_turn(data_url(OTHER)), *turn2[1:]])
         assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] <= start
         assert vision.cache.misses == misses + 1
+        metrics = httpx.get(s.url + "/metrics").text
+        assert f"sudu:encoder_cache_misses_total {float(misses + 1)}" in metrics
+        assert f"sudu:encoder_cache_hits_total {float(vision.cache.hits)}" in metrics
         want_other = expected(vlm, rendered([("user", QUESTION, 1), ("assistant", answer, 0),
                                              ("user", "And the colours?", 0)]), [OTHER])
         assert other.json()["choices"][0]["message"]["content"] == want_other
