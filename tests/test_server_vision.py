@@ -158,6 +158,13 @@ def test_bad_images_are_refused_and_the_server_keeps_serving(server, code, url, 
     assert chat(server, [user_turn(data_url(IMAGE))]).status_code == 200
 
 
+def test_text_cannot_smuggle_image_tokens(server):
+    """A text part holding the placeholder token itself: the prompt's placeholders no longer match the images."""
+    r = chat(server, [user_turn(data_url(IMAGE), text="look: <|image_pad|>")])
+    assert assert_openai_error(r, 400)["code"] == "placeholder_mismatch"
+    assert chat(server, [user_turn(data_url(IMAGE))]).status_code == 200
+
+
 def test_too_many_images_in_each_api_shape(server):
     urls = [data_url(IMAGE)] * 4
     assert assert_openai_error(chat(server, [user_turn(*urls)]), 400)["code"] == "too_many"
