@@ -158,6 +158,13 @@ def test_bad_images_are_refused_and_the_server_keeps_serving(server, code, url, 
     assert chat(server, [user_turn(data_url(IMAGE))]).status_code == 200
 
 
+def test_text_cannot_smuggle_image_tokens(server):
+    """A text part holding the placeholder token itself: the prompt's placeholders no longer match the images."""
+    r = chat(server, [user_turn(data_url(IMAGE), text="look: <|image_pad|>")])
+    assert assert_openai_error(r, 400)["code"] == "placeholder_mismatch"
+    assert chat(server, [user_turn(data_url(IMAGE))]).status_code == 200
+
+
 def test_too_many_images_in_each_api_shape(server):
     urls = [data_url(IMAGE)] * 4
     assert assert_openai_error(chat(server, [user_turn(*urls)]), 400)["code"] == "too_many"
@@ -211,6 +218,9 @@ def test_repeated_image_hits_the_encoder_and_prefix_caches(vlm):
         other = chat(s, [user_turn(data_url(OTHER)), *turn2[1:]])
         assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] <= start
         assert vision.cache.misses == misses + 1
+        metrics = httpx.get(s.url + "/metrics").text
+        assert f"sudu:encoder_cache_misses_total {float(misses + 1)}" in metrics
+        assert f"sudu:encoder_cache_hits_total {float(vision.cache.hits)}" in metrics
         want_other = expected(vlm, rendered([("user", QUESTION, 1), ("assistant", answer, 0),
                                              ("user", "And the colours?", 0)]), [OTHER])
         assert other.json()["choices"][0]["message"]["content"] == want_other

@@ -530,4 +530,5 @@ class LLMEngine:
             "memory_weights_huge_page_bytes": self.memory["memory_weights_huge_page_bytes"],
             "memory_kv_pool_bytes": self.memory["memory_kv_pool_bytes"],
             "memory_rss_bytes": rss_bytes(),
+            **(self.runner.vision.cache.stats() if self.runner.vision is not None else {}),
         }

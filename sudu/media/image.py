@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 class MediaError(ValueError):
     """A refused image. kind: "undecodable", "too_large", "too_many", "forbidden_url", "fetch_failed",
-    "no_vision"; status: the HTTP status it maps to."""
+    "no_vision", "placeholder_mismatch"; status: the HTTP status it maps to."""
 
     def __init__(self, message: str, kind: str, status: int = 400):
         super().__init__(message)

@@ -103,8 +103,8 @@ class QwenVLProcessor:
         offsets in it. The rendered prompt must hold exactly one pad token per image, in order."""
         pads = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(pads) != len(images):
-            raise MediaError(f"the rendered prompt holds {len(pads)} image placeholders for {len(images)} images",
-                             "undecodable")
+            raise MediaError(f"the rendered prompt holds {len(pads)} image placeholders for {len(images)} images "
+                             "(the chat template or the text dropped or added one)", "placeholder_mismatch")
         out: list[int] = []
         placed = []
         start = 0

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sudu.media.fetch import fetch_url
-from sudu.media.image import ImageInput, ImageLimits, MediaError, content_hash, decode_image
+from sudu.media.image import ImageInput, MediaError, content_hash, decode_image
+from sudu.media.limits import ImageLimits
 from sudu.server.errors import APIError
 
 IMAGE_PART = "image_url"

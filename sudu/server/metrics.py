@@ -60,8 +60,13 @@ class _EngineStatsCollector(Collector):
             ("sudu:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
             ("sudu:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Speculative tokens proposed."),
             ("sudu:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Speculative tokens accepted."),
+            ("sudu:encoder_cache_hits", "encoder_cache_hits", "Images whose embeddings the encoder cache held."),
+            ("sudu:encoder_cache_misses", "encoder_cache_misses", "Images the vision tower encoded."),
+            ("sudu:encoder_seconds", "encoder_seconds", "Seconds spent in the vision tower."),
         ):
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        yield GaugeMetricFamily("sudu:encoder_cache_bytes", "Bytes of image embeddings in the encoder cache.",
+                                value=float(stats.get("encoder_cache_bytes", 0)))
         yield from _context_cache_metrics(stats)
 
 
