@@ -274,8 +274,11 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         # 0.93 s behind two prompts (admitted), where the later one waits behind three
         measured.prefill_s_per_token = 0.015
         assert engine.try_admit("second-again", fresh).admitted
-        assert engine.try_admit("third-again", other).queue_s == pytest.approx(1.395)
-        assert engine.stats()["admission_promised"] == 1
+        # the later one, back after its own Retry-After, waits 1.395 s: over the 1 s limit a new arrival is
+        # held to, within the 1.5x a returning one is (a near miss of its Retry-After does not refuse it twice)
+        third_again = engine.try_admit("third-again", other)
+        assert third_again.admitted and third_again.queue_s == pytest.approx(1.395)
+        assert engine.stats()["admission_promised"] == 0
 
 
 def test_prompts_beside_decoders_are_predicted_at_the_chunk_allowance():

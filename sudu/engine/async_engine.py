@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 TRANSIT_EXPIRY_S = 30.0  # an admitted request whose generate never came stops counting after this
 PROMISE_GRACE_S = 5.0  # a refused request's place is kept this long after its Retry-After has passed
+# a request back after its Retry-After is held to this much more than --max-queue-wait: its Retry-After was a
+# prediction too, and being refused twice for a near miss would break the promise for little gain
+PROMISE_SLACK = 1.5
 
 
 @dataclass
@@ -163,10 +166,12 @@ class AsyncLLMEngine:
             transit = tuple(s for _, loads in self._in_transit.values() for s in loads)
             base = self._load
 
+            limit = self.config.max_queue_wait * (PROMISE_SLACK if promise is not None else 1.0)
+
             def predict(promised: tuple[SeqLoad, ...]) -> WaitPrediction:
                 load = EngineLoad(base.running, base.waiting + transit + promised)
                 return predict_wait(load, new, self.config.max_num_seqs, self.engine.wait_model.rates,
-                                    self.config.max_queue_wait, now, self.config.priority_aging_s)[0]
+                                    limit, now, self.config.priority_aging_s)[0]
 
             # admitted now: the promises due before its first token would be ahead of it. A request that would
             # start at once on the engine's real queue (a free slot, no prompt ahead) is admitted whatever was
