@@ -148,6 +148,7 @@ def test_promises_count_ahead_in_the_share_that_clients_come_back():
     assert len(book) == 0 and book.show_rate < 0.01
     book.keep(99, Promise(due=101.0, arrival=0.0, loads=(load,)))
     assert book.ahead(now=100.0, horizon_s=5.0) == ()
+    assert book.last_due() == 101.0 and PromiseBook(grace_s=1.0).last_due() == 0.0
 
 
 # ---------------------------------------------------------------- the scheduler's order
@@ -315,7 +316,7 @@ def test_promises_neither_idle_the_engine_nor_shorten_a_retry(tiny_model_dirs):
     book.show_rate = 1.0  # clients that always come back: every promise counts
     now = time.perf_counter()
     book.keep(1, Promise(due=now + 0.5, arrival=now - 1.0, loads=(SeqLoad(200, 4, arrival_time=now - 1.0),)))
-    book.keep(2, Promise(due=now + 100.0, arrival=now - 1.0, loads=(SeqLoad(500, 4, arrival_time=now - 1.0),)))
+    book.keep(2, Promise(due=now + 5.0, arrival=now - 1.0, loads=(SeqLoad(500, 4, arrival_time=now - 1.0),)))
 
     def request(first: int):
         return engine.check_request([first + i for i in range(31)], SamplingParams(max_tokens=4))
@@ -328,3 +329,7 @@ def test_promises_neither_idle_the_engine_nor_shorten_a_retry(tiny_model_dirs):
     refused = engine.try_admit("b", request(200))
     assert not refused.admitted and refused.queue_s == pytest.approx(2.31)
     assert refused.retry_after_s == 7
+    # clients come back in the order they were refused: a promise is due no sooner than the last one made,
+    # whatever its own queue says
+    book.keep(3, Promise(due=now + 60.0, arrival=now - 1.0, loads=(SeqLoad(1, 1, arrival_time=now - 1.0),)))
+    assert engine.try_admit("c", request(300)).retry_after_s == 60

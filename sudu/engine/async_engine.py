@@ -190,9 +190,9 @@ class AsyncLLMEngine:
             elif prediction.wait_s is not None:
                 # told to come back: every promise made before is ahead of it by then (a virtual queue), so
                 # its Retry-After is when that backlog too will have been worked off
-                prediction = dataclasses.replace(
-                    prediction, retry_after_s=max(prediction.retry_after_s,
-                                                  predict(self._promises.ahead(now, math.inf)).retry_after_s))
+                retry = max(prediction.retry_after_s, predict(self._promises.ahead(now, math.inf)).retry_after_s,
+                            math.ceil(self._promises.last_due() - now))
+                prediction = dataclasses.replace(prediction, retry_after_s=retry)
                 self._promises.keep(key, Promise(now + prediction.retry_after_s, arrival, loads))
         return prediction
 

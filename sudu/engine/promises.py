@@ -64,6 +64,11 @@ class PromiseBook:
     def keep(self, key: int, promise: Promise) -> None:
         self._promises[key] = promise
 
+    def last_due(self) -> float:
+        """The latest due time promised (0 when none): a later promise is due no sooner, so the clients come
+        back in the order they were refused and none finds an earlier-refused one still to come ahead of it."""
+        return max((p.due for p in self._promises.values()), default=0.0)
+
     def ahead(self, now: float, horizon_s: float) -> tuple[SeqLoad, ...]:
         """The promised loads to count in the queue now: those due within horizon_s, earliest due first, in
         the share the show rate says will come back."""
