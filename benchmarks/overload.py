@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import subprocess
 import tempfile
 import time
@@ -75,9 +76,14 @@ SESSION_CONTEXT = ("You are a coding agent working in a repository. The task: re
                    "Tools: read_file(path), write_file(path, text), run_tests(). ") * 3
 
 
+# salts every session of this run: a server's context cache (its disk tier too) keeps earlier runs' and
+# earlier loads' sessions, which a cold turn must not find
+RUN_SALT = secrets.token_hex(4)
+
+
 def cold_turn(session: int, max_tokens: int) -> dict:
     """A session's first turn: a long context, salted at its start so that no other session shares it."""
-    content = f"[session {session}] {SESSION_CONTEXT} Start with {TOPICS[session % len(TOPICS)]}."
+    content = f"[run {RUN_SALT} session {session}] {SESSION_CONTEXT} Start with {TOPICS[session % len(TOPICS)]}."
     return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 

@@ -6,9 +6,11 @@ the median step (or prompt) time per way and the ratio of the medians. Both ways
   (taking chunks from the back of the others' when done) against chunks from one shared counter in turn
   (kernels.h KernelOptions::contiguous_shares);
 - fused-silu: silu(gate) * up inside the gate_up call (qlinear_silu) against a silu_mul pass after it
-  (KernelOptions::fused_silu).
+  (KernelOptions::fused_silu);
+- attention-512: attention's score and value products on AVX-512 against AVX2 (KernelOptions::attention512;
+  the same bits), e.g. with --tokens 8192 for a prompt deep enough for attention to matter.
 
-    flock /tmp/sudu-bench.lock python -m benchmarks.work_split [--switch shares|fused-silu] [--model M] \\
+    flock /tmp/sudu-bench.lock python -m benchmarks.work_split [--switch shares|fused-silu|attention-512] [--model M] \\
         [--batch 1,8] [--tokens 590] [--steps 400] [--rounds 6]
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from sudu.sampling import SamplingParams
 SWITCHES = {
     "shares": (("contiguous shares", "shared counter"), "contiguous_shares"),
     "fused-silu": (("silu in gate_up", "silu_mul after"), "fused_silu"),
+    "attention-512": (("AVX-512 attention", "AVX2 attention"), "attention512"),
 }
 
 
