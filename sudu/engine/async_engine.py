@@ -189,8 +189,12 @@ class AsyncLLMEngine:
                     self._arrival_of[request_id] = arrival
             elif prediction.wait_s is not None:
                 # told to come back: every promise made before is ahead of it by then (a virtual queue), so
-                # its Retry-After is when that backlog too will have been worked off
-                retry = max(prediction.retry_after_s, predict(self._promises.ahead(now, math.inf)).retry_after_s,
+                # its Retry-After is when that backlog too will have been worked off. The backlog's drain is
+                # priced at the model's own rate, not its tail factor: a whole queue of clients told the tail
+                # would come back after the engine had long gone idle
+                backlog = predict(self._promises.ahead(now, math.inf))
+                drain = backlog.queue_s / max(self.engine.wait_model.rates.calibration, 1.0)
+                retry = max(prediction.retry_after_s, math.ceil(drain - limit),
                             math.ceil(self._promises.last_due() - now))
                 prediction = dataclasses.replace(prediction, retry_after_s=retry)
                 self._promises.keep(key, Promise(now + prediction.retry_after_s, arrival, loads))
