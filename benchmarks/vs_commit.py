@@ -79,6 +79,7 @@ def main() -> None:
     if not os.path.isdir(os.path.join(args.base, "sudu")):
         sys.exit(f"vs_commit: {args.base} is not a sudu checkout")
     out = args.out or tempfile.mkdtemp(prefix="vs-commit-")
+    os.makedirs(out, exist_ok=True)
     sides = {"sudu": server(HERE, None, args.model, args.threads, 32),
              "base": server(os.path.abspath(args.base), args.base_home, args.model, args.threads, 32)}
     procs, urls = [], {}
