@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,13 +34,14 @@ from sudu.bench import compare  # noqa: E402
 from sudu.bench.local_server import free_port, stop_server, wait_for_health  # noqa: E402
 
 
-def server(tree: str, home: str | None, model: str, threads: int, streams: int):
-    """A `sudu serve` command factory for one tree, and the environment it runs in."""
+def server(tree: str, home: str | None, model: str, threads: int, streams: int, extra: str = ""):
+    """A `sudu serve` command factory for one tree (with `extra` flags), and the environment it runs in."""
     env = dict(os.environ, PYTHONPATH=tree)
     if home:
         env["SUDU_HOME"] = home
     cmd = lambda port: [sys.executable, "-m", "sudu.cli", "serve", "--model", model, "--port", str(port),  # noqa: E731
-                        "--num-threads", str(threads), "--max-num-seqs", str(streams), "--disk-cache-size", "0"]
+                        "--num-threads", str(threads), "--max-num-seqs", str(streams), "--disk-cache-size", "0",
+                        *shlex.split(extra)]
     return cmd, env
 
 
@@ -75,12 +77,14 @@ def main() -> None:
     p.add_argument("--n-prompt-pairs", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="32-stream runs per server")
     p.add_argument("--out", default=None)
+    p.add_argument("--this-args", default="", help="more `sudu serve` flags for this checkout's server, e.g. "
+                   "--fast-math true to compare a layout change against a base without exact-by-default kernels")
     args = p.parse_args()
     if not os.path.isdir(os.path.join(args.base, "sudu")):
         sys.exit(f"vs_commit: {args.base} is not a sudu checkout")
     out = args.out or tempfile.mkdtemp(prefix="vs-commit-")
     os.makedirs(out, exist_ok=True)
-    sides = {"sudu": server(HERE, None, args.model, args.threads, 32),
+    sides = {"sudu": server(HERE, None, args.model, args.threads, 32, args.this_args),
              "base": server(os.path.abspath(args.base), args.base_home, args.model, args.threads, 32)}
     procs, urls = [], {}
     try:
@@ -98,6 +102,8 @@ def main() -> None:
                 speeds[name].append(throughput(urls[name], args.model, os.path.join(out, f"{name}-c32-{r}"),
                                                args.max_tokens, 32))
                 print(f"  32 streams, round {r + 1}, {name}: {speeds[name][-1]:.1f} tok/s", flush=True)
+        if not args.rounds:
+            return
         ratios = [a / b for a, b in zip(speeds["sudu"], speeds["base"])]
         print(f"32 streams: this {statistics.median(speeds['sudu']):.1f} tok/s, base "
               f"{statistics.median(speeds['base']):.1f} tok/s; per-round ratio median {statistics.median(ratios):.3f} "
