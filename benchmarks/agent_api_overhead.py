@@ -21,6 +21,7 @@ from sudu.engine.request import CheckedRequest
 from sudu.server import api_messages, api_responses
 from sudu.server.app import build_app
 from sudu.weights.catalog import resolve_model_path
+from sudu.weights.gguf import open_gguf
 from sudu.tokenizer import Tokenizer
 
 ANSWER = '<tool_call>\n{"name": "read_file", "arguments": {"path": "src/main.py", "start": 1, "end": 80}}\n</tool_call>'
@@ -140,7 +141,7 @@ def main() -> None:
     p.add_argument("--answer-tokens", type=int, default=64)
     args = p.parse_args()
     path = resolve_model_path(args.model)
-    tokenizer = Tokenizer.from_gguf(path) if str(path).endswith(".gguf") else Tokenizer.from_dir(path)
+    tokenizer = Tokenizer.from_gguf(open_gguf(path)) if str(path).endswith(".gguf") else Tokenizer.from_dir(path)
     engine = InstantEngine(tokenizer, args.answer_tokens)
     print(f"model {args.model}: answer {len(engine.answer)} tokens, {args.rounds} rounds per API, in process")
     times = asyncio.run(run(engine, args.rounds))

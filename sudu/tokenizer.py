@@ -330,15 +330,12 @@ class Tokenizer:
         return CHATML_DEFAULT_CHAT_TEMPLATE
 
     @classmethod
-    def from_gguf(cls, reader_or_path) -> "Tokenizer":
-        """From a GGUF file's metadata: sudu's parsed file (weights/gguf.py), a `gguf.GGUFReader`, or a
-        path, read here with `gguf.GGUFReader`."""
-        if isinstance(reader_or_path, (str, Path)):
-            import gguf
-
-            reader = gguf.GGUFReader(reader_or_path)
-        else:
-            reader = reader_or_path
+    def from_gguf(cls, reader) -> "Tokenizer":
+        """From a GGUF file's metadata: sudu's parsed file (weights/gguf.py `open_gguf`, which reads a 150k-token
+        vocabulary in well under a second) or a `gguf.GGUFReader` a caller already has (an independent reading,
+        as tests use; it builds an object per token and takes tens of seconds on a real vocabulary)."""
+        if isinstance(reader, (str, Path)):
+            raise TypeError("Tokenizer.from_gguf takes a parsed file: Tokenizer.from_gguf(open_gguf(path))")
         kind = _field(reader, "tokenizer.ggml.model")
         arch = _field(reader, "general.architecture")
         tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -17,3 +17,12 @@ def tiny_model_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: save_tiny_model(root / arch, arch) for arch in ("qwen2", "llama", "gemma3")}
+
+
+@pytest.fixture(scope="session")
+def gguf_readers_once():
+    """transformers' GGUF loading reads each catalog file once per session (tests/helpers/hf_gguf.py)."""
+    from tests.helpers.hf_gguf import readers_once
+
+    with readers_once():
+        yield

@@ -245,12 +245,14 @@ def test_hf_names():
     assert G.hf_name("rope_freqs.weight", "llama") is None
 
 
-def test_tokenizer_from_gguf_reader_or_path(tmp_path):
+def test_tokenizer_from_sudus_parse_or_gguf_reader(tmp_path):
     from sudu.tokenizer import Tokenizer
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "qwen2")
-    by_path, by_reader = Tokenizer.from_gguf(path), Tokenizer.from_gguf(G.open_gguf(path))
+    by_path, by_reader = Tokenizer.from_gguf(gguf.GGUFReader(path)), Tokenizer.from_gguf(G.open_gguf(path))
+    with pytest.raises(TypeError, match="open_gguf"):
+        Tokenizer.from_gguf(path)
     text = "<|im_start|>hi 你好<|im_end|>"
     assert by_path.encode(text) == by_reader.encode(text) and by_path.eos_token_ids == by_reader.eos_token_ids
     assert by_path.chat_template == by_reader.chat_template is not None
@@ -267,7 +269,7 @@ def _write_hf_dir(root, sharded: bool) -> dict[str, torch.Tensor]:
     write_tiny_gguf(tiny, "qwen2")
     hf = root / "hf"
     hf.mkdir()
-    (hf / "tokenizer.json").write_text(Tokenizer.from_gguf(tiny).backend.to_str())
+    (hf / "tokenizer.json").write_text(Tokenizer.from_gguf(G.open_gguf(tiny)).backend.to_str())
     (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": "{{ messages[0]['content'] }}"}))
     (hf / "config.json").write_text(json.dumps({
         "model_type": "qwen2", "vocab_size": 259, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,

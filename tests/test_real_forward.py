@@ -2,12 +2,14 @@
 own GGUF loader (`from_pretrained(..., gguf_file=...)`): its config parsed from the GGUF by transformers
 and its weights dequantized by the `gguf` package, so a fault in sudu's config parsing or dequantization
 cannot cancel out. Checked: next-token argmax on 22 prompts in one batch (8 on the 1.5B), and a greedy 32-token
-completion of a code prompt (16 on the 1.5B), token for token, for every catalog model. Slow: marked; the models are pulled
-from the offline catalog on first use. The reference runs first and is dropped before sudu loads, so the
-1.5B never holds two float32 copies of its weights at once."""
+completion of a code prompt (16 on the 1.5B), token for token, for every catalog model; and the dequantized
+weights tensor by tensor. Slow: marked; the models are pulled from the offline catalog on first use. Each
+reference is loaded once for both checks and dropped before sudu's engine loads, so the 1.5B never holds
+two float32 copies of its weights at once."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -16,8 +18,10 @@ from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
 from sudu.tokenizer import Tokenizer
 from sudu.weights.catalog import CATALOG, pull
+from sudu.weights.gguf import open_gguf
+from sudu.weights.loader import load_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("gguf_readers_once")]  # tests/helpers/hf_gguf.py
 transformers = pytest.importorskip("transformers")
 
 PROMPTS = [
@@ -32,38 +36,74 @@ PROMPTS = [
 CODE_PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n"
 
 
-def hf_reference(path):
-    """transformers' model for the GGUF at `path`: config and float32 weights by transformers' own loader."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+class Reference:
+    """transformers' model for one catalog GGUF, config and float32 weights by transformers' own loader, loaded
+    once for this module's tests of that model; `drop()` frees it before sudu loads its own copy."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.path = pull(name, progress=False)  # from the offline catalog on first use
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32, attn_implementation="eager").eval()
+
+    def drop(self) -> None:
+        self.model = None
+        gc.collect()
 
 
-def reference_tokens(path, prompts, code, num_tokens: int):
+@pytest.fixture(scope="module", params=list(CATALOG))
+def reference(request):
+    ref = Reference(request.param)
+    yield ref
+    ref.drop()
+
+
+# the 1.5B's state dict (6 GB in float32 on each side) is compared where memory allows it: SUDU_TEST_ALL_REAL=1
+STATE_DICT_MODELS = set(CATALOG) if os.environ.get("SUDU_TEST_ALL_REAL") else {"qwen2.5-coder-0.5b-instruct",
+                                                                             "gemma-3-270m"}
+
+
+def test_state_dict_matches_transformers(reference):
+    """Every tensor sudu's loader gives (dequantized to float32, renamed to transformers' keys) equals the one
+    transformers' loader gives, and none is missing."""
+    if reference.name not in STATE_DICT_MODELS:
+        pytest.skip("6 GB a side in float32; SUDU_TEST_ALL_REAL=1 compares it")
+    expected = reference.model.state_dict()
+    ck = load_checkpoint(reference.name, pull=False, progress=False)
+    seen = set()
+    for key, tensor in ck.tensors():
+        assert key in expected, key
+        torch.testing.assert_close(tensor, expected[key].float(), rtol=0, atol=1e-6, msg=key)
+        seen.add(key)
+    missing = {k for k in expected if k not in seen and not k.endswith("rotary_emb.inv_freq")}
+    if ck.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    assert not missing
+
+
+def reference_tokens(model, prompts, code, num_tokens: int):
     """The reference's next token after each prompt and its greedy num_tokens-token completion of `code`."""
-    ref = hf_reference(path)
     with torch.inference_mode():
-        nexts = [int(ref(torch.tensor([p]), logits_to_keep=1).logits[0, -1].argmax()) for p in prompts]
-        completion = ref.generate(torch.tensor([code]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
-                                  attention_mask=torch.ones(1, len(code), dtype=torch.long))[0, len(code):].tolist()
+        nexts = [int(model(torch.tensor([p]), logits_to_keep=1).logits[0, -1].argmax()) for p in prompts]
+        completion = model.generate(torch.tensor([code]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                                    do_sample=False,
+                                    attention_mask=torch.ones(1, len(code), dtype=torch.long))[0, len(code):].tolist()
     return nexts, completion
 
 
-MODELS = list(CATALOG)
 # the 1.5B's float32 reference costs about three times the 0.5B's per token: its share of the suite's time
 # is kept near theirs with fewer prompts and a shorter completion (the same checks, the same architecture)
 LARGE = {"qwen2.5-coder-1.5b-instruct": (8, 16)}
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_engine_matches_transformers_on_real_model(name):
-    path = pull(name, progress=False)  # from the offline catalog on first use
-    tok = Tokenizer.from_gguf(path)  # the same token ids go to both sides; tokenization: test_real_models.py
+def test_engine_matches_transformers_on_real_model(reference):
+    name = reference.name
+    tok = Tokenizer.from_gguf(open_gguf(reference.path))  # the same ids go to both sides; tokenization: test_real_models.py
     num_prompts, num_tokens = LARGE.get(name, (len(PROMPTS), 32))
     prompts = [tok.encode(p) for p in PROMPTS[:num_prompts]]
     code = tok.encode(CODE_PROMPT)
-    want_next, want_completion = reference_tokens(path, prompts, code, num_tokens)
-    gc.collect()
+    want_next, want_completion = reference_tokens(reference.model, prompts, code, num_tokens)
+    reference.drop()
     llm = LLM(name, progress=False, kv_cache_memory=256 << 20, max_model_len=2048, quantization="none")
     greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     got_next = [r.token_ids[0] for r in llm.generate(prompts, greedy1)]

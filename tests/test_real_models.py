@@ -1,18 +1,17 @@
-"""Real catalog models against transformers' own GGUF loading: tokenization, chat templates, config and
-dequantized weights must match. Slow (transformers converts each GGUF), so marked; a model not in
-the cache yet is pulled from the offline catalog on first use."""
+"""Real catalog models against transformers' own GGUF loading: tokenization, chat templates and config must
+match (the dequantized weights: test_real_forward.py, which loads transformers' model once for both checks).
+Slow (transformers converts each GGUF), so marked; a model not in the cache yet is pulled from the offline
+catalog on first use."""
 from __future__ import annotations
 
-import os
 
 import pytest
-import torch
 
 from sudu.tokenizer import GEMMA_DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer
 from sudu.weights.catalog import pull
 from sudu.weights.loader import load_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("gguf_readers_once")]  # tests/helpers/hf_gguf.py
 transformers = pytest.importorskip("transformers")
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -119,8 +118,6 @@ def test_gemma_default_chat_template_renders_like_transformers():
     assert ids[:2] == [tok.bos_token_id, tok.token_to_id("<start_of_turn>")]  # one BOS, not two
 
 
-@pytest.mark.skipif(not os.environ.get("SUDU_TEST_ALL_REAL"), reason="29 s; Gemma's config is checked through its "
-                    "forward pass against transformers (test_real_forward.py); SUDU_TEST_ALL_REAL=1 runs it")
 def test_gemma_config_matches_transformers():
     path = _model_file(GEMMA)
     hf = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -136,24 +133,3 @@ def test_gemma_config_matches_transformers():
     assert cfg.layer_types == list(hf.layer_types)
     assert cfg.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6) and cfg.vocab_size == hf.vocab_size
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings
-
-
-# Gemma's weights are checked against transformers through its forward pass (test_real_forward.py) and its
-# conventions (1 + w norms, the tied table) on a tiny GGUF (test_gguf.py); its 72 s state-dict comparison
-# here is opt-in (SUDU_TEST_ALL_REAL=1), to keep the suite in CI's time budget.
-@pytest.mark.parametrize("name", [QWEN] + ([GEMMA] if os.environ.get("SUDU_TEST_ALL_REAL") else []))
-def test_state_dict_matches_transformers(name):
-    path = _model_file(name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
-    expected = model.state_dict()
-    ck = checkpoint(name)
-    seen = set()
-    for key, tensor in ck.tensors():
-        assert key in expected, key
-        torch.testing.assert_close(tensor, expected[key].float(), rtol=0, atol=1e-6, msg=key)
-        seen.add(key)
-    missing = {k for k in expected if k not in seen and not k.endswith("rotary_emb.inv_freq")}
-    if ck.config.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-    assert not missing

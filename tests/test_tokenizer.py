@@ -11,6 +11,7 @@ import pytest
 
 from sudu.errors import SuduError
 from sudu.tokenizer import GEMMA_DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer, byte_to_unicode
+from sudu.weights.gguf import open_gguf
 
 TEXTS = [
     "hello world", "  two  spaces  ", "你好，世界！我们今天去公园。", "emoji 😀👍🏽👨‍👩‍👧‍👦 and 🇫🇷 flags",
@@ -299,7 +300,7 @@ def test_tiny_vocabularies_match_transformers(tmp_path, build):
     path = tmp_path / "tok.gguf"
     _write_tokenizer_gguf(path, meta)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    tok = Tokenizer.from_gguf(path)
+    tok = Tokenizer.from_gguf(open_gguf(path))
     texts = TEXTS + ["hello world", " hello  world ", "ab ab\nab", "helloworld", "<s>hello</s>", "  ", "\n\nhello"]
     for text in texts:
         ids = tok.encode(text)

@@ -26,8 +26,9 @@ def load_tokenizer(model: str | None, path: str | None = None):
         found = Path(path)
     try:
         from sudu.tokenizer import Tokenizer
+        from sudu.weights.gguf import open_gguf
 
-        tok = Tokenizer.from_dir(found) if found.is_dir() else Tokenizer.from_gguf(str(found))
+        tok = Tokenizer.from_dir(found) if found.is_dir() else Tokenizer.from_gguf(open_gguf(found))
     except Exception as exc:  # the tokenizer is optional for the bench: any failure degrades
         return None, f"{NOT_RECOUNTED}: sudu.tokenizer could not load {found} ({type(exc).__name__}: {exc})"
     return tok, f"recounted with sudu.tokenizer ({found})"
