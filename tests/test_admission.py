@@ -121,6 +121,7 @@ def test_calibration_is_the_90th_percentile_of_the_last_64_ratios():
     for actual in [1.0] * 57 + [3.0] * 7:  # sorted, the 58th of 64 (index 57) is the first 3.0
         r.observe_wait(predicted_raw_s=2.0, actual_s=2.0 * actual)
     assert r.calibration == pytest.approx(3.0)
+    assert r.mean_ratio == pytest.approx((57 * 1.0 + 7 * 3.0) / 64)  # what a long drain is priced at
     r.observe_wait(predicted_raw_s=2.0, actual_s=2.0)  # the oldest 1.0 leaves the window, a new one comes
     assert r.calibration == pytest.approx(3.0)
     for _ in range(64):  # the window slides: after 64 ratios of 1.5, only they are left
@@ -329,6 +330,11 @@ def test_promises_neither_idle_the_engine_nor_shorten_a_retry(tiny_model_dirs):
     refused = engine.try_admit("b", request(200))
     assert not refused.admitted and refused.queue_s == pytest.approx(2.31)
     assert refused.retry_after_s == 7
+    # measured waits have run at twice the model's prediction on average: the backlog (now also b's 31 tokens)
+    # drains in twice its predicted time: ceil((31 + 200 + 500 + 31) x 0.01 x 2 - 1.0) = 15 s
+    rates.mean_ratio = 2.0
+    assert engine.try_admit("d", request(250)).retry_after_s == 15
+    rates.mean_ratio = 1.0
     # clients come back in the order they were refused: a promise is due no sooner than the last one made,
     # whatever its own queue says
     book.keep(3, Promise(due=now + 60.0, arrival=now - 1.0, loads=(SeqLoad(1, 1, arrival_time=now - 1.0),)))

@@ -190,10 +190,12 @@ class AsyncLLMEngine:
             elif prediction.wait_s is not None:
                 # told to come back: every promise made before is ahead of it by then (a virtual queue), so
                 # its Retry-After is when that backlog too will have been worked off. The backlog's drain is
-                # priced at the model's own rate, not its tail factor: a whole queue of clients told the tail
-                # would come back after the engine had long gone idle
+                # priced at the mean of measured actual / predicted waits, not at their tail: a whole queue of
+                # clients told the tail would come back after the engine had long gone idle, and told the
+                # model's bare rate (a mean ratio above 1 under load) they come back before their turn
+                rates = self.engine.wait_model.rates
                 backlog = predict(self._promises.ahead(now, math.inf))
-                drain = backlog.queue_s / max(self.engine.wait_model.rates.calibration, 1.0)
+                drain = backlog.queue_s / rates.calibration * rates.mean_ratio
                 retry = max(prediction.retry_after_s, math.ceil(drain - limit),
                             math.ceil(self._promises.last_due() - now))
                 prediction = dataclasses.replace(prediction, retry_after_s=retry)

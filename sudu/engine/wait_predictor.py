@@ -96,6 +96,9 @@ class ServiceRates:
         self.decode_step_s: float | None = None
         self.output_tokens: float | None = None  # generated per finished sequence
         self.calibration = 1.0
+        # the mean of the same ratios: what a long queue's drain takes per predicted second. A drain is a sum
+        # of many services, whose errors average out, so it is priced at the mean, not at a single wait's tail
+        self.mean_ratio = 1.0
         self._ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
         # decayed sums of prompt seconds and prompt tokens: a step's share in the rate is its token count, so
         # a mixed step of a few prompt tokens (whose cost beyond a decode step is mostly noise) weighs little
@@ -151,6 +154,7 @@ class ServiceRates:
         ranked = sorted(self._ratios)
         lo, hi = CALIBRATION_RANGE
         self.calibration = min(max(ranked[min(int(CALIBRATION_QUANTILE * len(ranked)), len(ranked) - 1)], lo), hi)
+        self.mean_ratio = min(max(sum(ranked) / len(ranked), lo), hi)
 
 
 def raw_wait_s(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: ServiceRates, now: float,
