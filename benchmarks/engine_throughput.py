@@ -80,7 +80,7 @@ def part_throughput(llms: dict[str, LLM], n: int, hf_sizes: list[int]) -> None:
         hf_generate(hf, [p for p, _ in chunk], max(m for _, m in chunk), pad)
         print(f"transformers: {min(i + best, n)}/{n} requests, {time.perf_counter() - t0:.0f} s", flush=True)
     hf_s = time.perf_counter() - t0
-    print(f"\n| engine | wall s | useful output tok/s | vs transformers |\n|---|---|---|---|")
+    print("\n| engine | wall s | useful output tok/s | vs transformers |\n|---|---|---|---|")
     for label, t in sudu_s.items():
         print(f"| sudu {label} (continuous batching) | {t:.1f} | {useful / t:.1f} | {hf_s / t:.2f}x |")
     print(f"| transformers generate float32, batch {best} (best of {hf_sizes}) | {hf_s:.1f} | {useful / hf_s:.1f} | 1.00x |")
@@ -154,7 +154,7 @@ def part_itl(llm: LLM, tokens: int) -> None:
     long_prompt = filler_ids(llm.tokenizer, 4000, 4242)
     mixed, long_ttft = itl_of_streams(llm, 4, long_prompt, tokens)
     alone = ttft(llm, filler_ids(llm.tokenizer, 4000, 4343))[0]  # another text: nothing cached
-    print(f"\n| case | ITL median ms | ITL p99 ms |\n|---|---|---|")
+    print("\n| case | ITL median ms | ITL p99 ms |\n|---|---|---|")
     print(f"| 4 streams alone | {1000 * statistics.median(base):.0f} | {1000 * p99(base):.0f} |")
     print(f"| + a 4,000-token prompt arriving | {1000 * statistics.median(mixed):.0f} | {1000 * p99(mixed):.0f} |")
     print(f"p99 ratio: {p99(mixed) / p99(base):.2f}x (target <= 3x)")

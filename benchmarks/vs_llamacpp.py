@@ -211,7 +211,7 @@ def main() -> None:
     print(f"\n{args.model}, sudu --quantization {args.quantization} ({resolved}) --kv-cache-dtype "
           f"{args.kv_cache_dtype}, {args.threads} threads, median of {args.repeat}; llama.cpp batches via llama_batch "
           f"with one seq id per sequence")
-    print(f"| metric (tok/s) | sudu | llama.cpp | sudu / llama.cpp |\n|---|---:|---:|---:|")
+    print("| metric (tok/s) | sudu | llama.cpp | sudu / llama.cpp |\n|---|---:|---:|---:|")
     for metric in results["sudu"]:
         s = statistics.median(results["sudu"][metric])
         l = statistics.median(results["llama.cpp"][metric])

@@ -76,7 +76,7 @@ def _function(rng: random.Random, noun: str) -> list[str]:
     body = [f"def {verb}_{noun}({args}) -> dict:",
             f'    """{verb.capitalize()} the {noun} against its {other} records."""',
             "    result = {}",
-            f"    for entry in items if isinstance(items, list) else []:",
+            "    for entry in items if isinstance(items, list) else []:",
             f"        if entry.get('{other}_id') is None:",
             f"            raise ValueError(f'{noun} entry without {other}_id: {{entry!r}}')",
             f"        result[entry['{other}_id']] = entry.get('{rng.choice(_NOUNS)}', 0) * {rng.randint(2, 9)}",

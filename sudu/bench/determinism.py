@@ -337,7 +337,7 @@ def divergence_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def markdown(report: dict) -> str:
     t = report["target"]
-    parts = [f"# sudu bench determinism" + (" (PARTIAL: interrupted)" if report["partial"] else ""),
+    parts = ["# sudu bench determinism" + (" (PARTIAL: interrupted)" if report["partial"] else ""),
              f"target: {t.get('url')}  model: {t.get('model')}  api: {report['config'].get('api')}  "
              f"schema: {report['schema']}"]
     det = report["determinism"]
