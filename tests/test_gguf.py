@@ -142,6 +142,17 @@ def test_dequantize_matches_reference(ggml_type):
     torch.testing.assert_close(got, torch.from_numpy(expected), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("ggml_type", [t for t in BLOCK_TYPES if t != "Q8_K"])
+def test_dequantize_equals_the_gguf_package_bit_for_bit(ggml_type):
+    """transformers loads GGUF files through the gguf package's dequantization: sudu's float32 weights must be
+    its bits exactly, so that the two sides of test_real_forward.py compute on the same numbers."""
+    blocks = random_blocks(ggml_type, 300, np.random.default_rng(RNG_SEED))
+    size, per_block, *_ = BLOCK_TYPES[ggml_type]
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[ggml_type]).astype(np.float32)
+    got = G.dequantize_blocks(blocks.reshape(30, -1), ggml_type, (30, 10 * per_block))
+    assert torch.equal(got, torch.from_numpy(expected).reshape(30, -1))
+
+
 @pytest.mark.parametrize("ggml_type,np_dtype", [("F32", np.float32), ("F16", np.float16)])
 def test_float_types(ggml_type, np_dtype):
     x = np.random.default_rng(RNG_SEED).standard_normal((5, 8)).astype(np_dtype)

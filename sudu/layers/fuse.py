@@ -22,14 +22,15 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     if all(type(m) is nn.Linear for m in layers):
         if len({(m.in_features, m.weight.dtype) for m in layers}) != 1:
             return None
+        # built on the meta device and given the concatenated tensors: no random initialisation to overwrite
         fused = nn.Linear(first.in_features, sum(m.out_features for m in layers),
-                          bias=any(m.bias is not None for m in layers), dtype=first.weight.dtype)
+                          bias=any(m.bias is not None for m in layers), dtype=first.weight.dtype, device="meta")
         with torch.no_grad():
-            fused.weight.copy_(torch.cat([m.weight for m in layers]))
+            fused.weight = nn.Parameter(torch.cat([m.weight for m in layers]), requires_grad=False)
             if fused.bias is not None:
-                fused.bias.copy_(torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
-                                            for m in layers]))
-        return fused.eval().requires_grad_(False)
+                fused.bias = nn.Parameter(torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                                     for m in layers]), requires_grad=False)
+        return fused.eval()
     if all(isinstance(m, QuantizedLinear) for m in layers) and any(m.fmt == "native" for m in layers):
         # GGUF formats, possibly several: one segmented tensor (layers/gguf_native.py), whole tiles only
         if len({m.in_features for m in layers}) != 1 or any(m.out_features % TILE_ROWS for m in layers):

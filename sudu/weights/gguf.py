@@ -476,8 +476,57 @@ def _deq_q8_k(b: torch.Tensor) -> torch.Tensor:
     return d * b[:, 4:260].contiguous().view(torch.int8).float()
 
 
+def _k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit mins per super-block: bytes 0-3 hold
+    scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for the mins, bytes 8-11
+    the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble)."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def _low_nibbles_by_32(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 32 * k] bytes -> [n, 2k, 32] nibbles: each 32-byte run gives its low nibbles, then its high ones."""
+    runs = qs.reshape(qs.shape[0], -1, 1, 32)
+    return torch.cat([runs & 0x0F, runs >> 4], dim=2).reshape(qs.shape[0], -1, 32)
+
+
+# K-quants in the float32 operations, and their order, of the gguf package's reference dequantization
+# (so a float32 model sudu loads equals the one transformers loads from the same file, bit for bit)
+def _deq_q4_k(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 144)  # f16 d, f16 dmin, 12 bytes of scales and mins, 128 bytes of nibbles
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    d = (_f16_at(b, 0) * sc.float()).unsqueeze(-1)
+    dm = (_f16_at(b, 2) * mn.float()).unsqueeze(-1)
+    return (d * _low_nibbles_by_32(b[:, 16:]).float() - dm).reshape(-1, 256)
+
+
+def _deq_q5_k(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 176)  # f16 d, f16 dmin, 12 bytes of scales and mins, 32 bytes of 5th bits, 128 of nibbles
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    d = (_f16_at(b, 0) * sc.float()).unsqueeze(-1)
+    dm = (_f16_at(b, 2) * mn.float()).unsqueeze(-1)
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = (b[:, 16:48].unsqueeze(1) >> shifts) & 0x01  # bit j of byte i: the 5th bit of element 32 j + i
+    q = _low_nibbles_by_32(b[:, 48:]) | (high << 4)
+    return (d * q.float() - dm).reshape(-1, 256)
+
+
+def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:
+    b = b.view(-1, 210)  # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d
+    n = b.shape[0]
+    d = (_f16_at(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).view(n, 16, 1)
+    low = b[:, :128].reshape(n, 2, 1, 64)
+    low = torch.cat([low & 0x0F, low >> 4], dim=2).reshape(n, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
+    q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, 16, 16)
+    return (d * q.float()).reshape(n, 256)
+
+
 _TORCH_DEQUANT = {"Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1,
-                  "Q8_K": _deq_q8_k}
+                  "Q8_K": _deq_q8_k, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k}
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
