@@ -137,11 +137,14 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 @pytest.mark.parametrize("draft_vocab", [0, 200])
 def test_speculative_sampling_matches_plain_sampling_distribution(engines, draft_vocab):
-    """Engine level, with a draft model (whole or partial head), 10,000 samples."""
+    """Engine level, with a draft model (whole or partial head), 4,000 samples: the plumbing around
+    verify_draft (whose arithmetic test_rejection_sampling_keeps_the_target_distribution checks on 20,000).
+    At most 64 tokens can come second (top_k 8 twice), so cells expect about 60 samples on average and a
+    residual drawn from p instead of (p - q)+ is rejected far past the 0.999 quantile."""
     spec = engines("draft", speculative_max_batch=100000, max_num_seqs=256, max_num_batched_tokens=100000,
                    speculative_draft_vocab=draft_vocab)
     # short prompt: the 10,000 prefills stay cheap
-    assert_second_token_keeps_the_target_distribution(engines(), spec, prompts(1, 9)[0][:4], 10000)
+    assert_second_token_keeps_the_target_distribution(engines(), spec, prompts(1, 9)[0][:4], 4000)
 
 
 def test_draft_head_subset_and_prompt_in_the_first_step(engines):
