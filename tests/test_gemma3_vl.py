@@ -1,0 +1,172 @@
+"""Gemma 3 (vision) against transformers on a tiny random model: sudu's preprocessing gives the reference
+processor's pixel values and its placeholder expansion the processor's token ids; the network's logits over
+prompts with one and two images match within 1e-4 (float32), the image tokens attending to each other both ways
+(the reference without its image mask differs, so the check can fail); the engine's greedy tokens equal
+transformers' with prompt chunks that would otherwise end inside an image, and from the prefix cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.tiny_gemma3_vl import (BOI, TOKENS_PER_IMAGE, build_tokenizer, image_processor, reference_greedy,
+                                          reference_inputs, save_tiny_gemma3_vl)
+from tests.helpers.tiny_vlm import png_bytes, random_image
+
+PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
+SIZES = [(100, 70), (64, 200), (333, 251), (56, 56)]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return save_tiny_gemma3_vl(tmp_path_factory.mktemp("gemma3_vl") / "model")
+
+
+def sudu_processor(model_dir):
+    from sudu.media.processors import image_processor as sudu_image_processor
+    from sudu.weights.loader import load_checkpoint
+
+    ckpt = load_checkpoint(str(model_dir), pull=False, progress=False)
+    return ckpt, sudu_image_processor(ckpt.config, ckpt.preprocessor)
+
+
+def sudu_prompt(processor, tokenizer, text: str, images):
+    """The prompt as sudu's server builds it: each image's BOI as the processor's placeholder text, tokenized,
+    the soft token expanded."""
+    from sudu.media.image import content_hash
+
+    ids = tokenizer.encode(text.replace(BOI, processor.placeholder), add_special_tokens=False)
+    return processor.expand(ids, [processor.image_input(im, content_hash(png_bytes(im))) for im in images])
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_preprocessing_matches_transformers(vlm, size):
+    from sudu.media.gemma3_vl import Gemma3Processor
+
+    image = random_image(*size, seed=sum(size))
+    reference = image_processor()(images=[image], return_tensors="np")["pixel_values"][0]
+    _, processor = sudu_processor(vlm[0])
+    assert isinstance(processor, Gemma3Processor)
+    pixels = processor.preprocess(image)
+    assert pixels.shape == reference.shape == (3, 56, 56)
+    np.testing.assert_allclose(pixels, reference, rtol=0, atol=1e-6)
+
+
+def test_placeholder_expands_as_the_processor_does(vlm):
+    ckpt, processor = sudu_processor(vlm[0])
+    text = PROMPT.format(images=f"a {BOI}b{BOI}\n")
+    images = [random_image(100, 70, seed=1), random_image(64, 200, seed=2)]
+    ids, placed = sudu_prompt(processor, ckpt.tokenizer, text, images)
+    reference = reference_inputs(build_tokenizer(), text, images)
+    assert ids == reference["input_ids"][0].tolist()
+    soft = reference["token_type_ids"][0].nonzero()[:, 0].tolist()
+    assert [p for im in placed for p in range(im.offset, im.offset + im.num_tokens)] == soft
+    assert [im.num_tokens for im in placed] == [TOKENS_PER_IMAGE] * 2
+
+
+def sudu_logits(model, ids, placed, chunk: int | None = None):
+    """The network's logits of every prompt row, computed in chunks of `chunk` rows (None: one pass) that
+    each end outside an image, over float32 pools."""
+    from sudu.engine.text_eval import float_pools
+    from sudu.layers.attention import build_metadata
+
+    n = len(ids)
+    embeds = {im.content_hash: model.encode_images(im.pixel_values, [im.grid_thw]) for im in placed}
+    pools = float_pools(model.config, n)
+    spans_all = [(im.offset, im.offset + im.num_tokens) for im in placed]
+    out, start = [], 0
+    while start < n:
+        end = min(n, start + (chunk or n))
+        for a, b in spans_all:
+            if a < end < b:
+                end = a if a > start else b
+        spans = [(a, b) for a, b in spans_all if a < end and b > start]
+        meta = build_metadata([end - start], [torch.arange(end)], pools, model.config.sliding_window,
+                              image_spans=[spans])
+        rows = [(r, im) for im in placed for r in range(max(im.offset, start), min(im.offset + im.num_tokens, end))]
+        image_rows = None
+        if rows:
+            image_rows = (torch.tensor([r - start for r, _ in rows]),
+                          torch.stack([embeds[im.content_hash][r - im.offset] for r, im in rows]))
+        hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), meta, image_rows=image_rows)
+        out.append(model.compute_logits(hidden))
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("num_images,chunk", [(1, None), (2, None), (2, 6)])
+def test_logits_match_transformers(vlm, num_images, chunk):
+    """chunk 6: prompt chunks of at most 6 rows, each image's 4 rows kept in one of them."""
+    from sudu.config import EngineConfig
+    from sudu.engine.network import prepare_network
+
+    model_dir, hf = vlm
+    images = [random_image(*SIZES[i], seed=i) for i in range(num_images)]
+    text = PROMPT.format(images=BOI * num_images)
+    ref = reference_inputs(build_tokenizer(), text, images)
+    with torch.no_grad():
+        expected = hf(**ref).logits[0]
+        causal = hf(**{k: v for k, v in ref.items() if k != "token_type_ids"}).logits[0]
+    ckpt, processor = sudu_processor(model_dir)
+    ids, placed = sudu_prompt(processor, ckpt.tokenizer, text, images)
+    assert ids == ref["input_ids"][0].tolist()
+    model, _ = prepare_network(ckpt, EngineConfig(model=str(model_dir), quantization="none"))
+    with torch.inference_mode():
+        logits = sudu_logits(model, ids, placed, chunk)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert (causal - expected).abs().max() > 1e-3  # the image mask matters: a causal-only network would fail
+
+
+@pytest.mark.parametrize("chunk", [2048, 5])
+def test_greedy_tokens_match_transformers(vlm, chunk):
+    """chunk 5: chunks of 5 tokens would end inside the images; the scheduler moves their ends."""
+    from sudu.config import EngineConfig
+    from sudu.engine.llm_engine import LLMEngine
+    from sudu.sampling import SamplingParams
+
+    model_dir, hf = vlm
+    images = [random_image(*SIZES[i + 1], seed=10 + i) for i in range(2)]
+    text = PROMPT.format(images=BOI * 2)
+    expected = reference_greedy(hf, reference_inputs(build_tokenizer(), text, images), 8)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=1024, kv_cache_memory=8 << 20,
+                                    max_num_batched_tokens=chunk, prefill_chunk_when_decoding=chunk, block_size=4,
+                                    kv_cache_dtype="float32", speculative="none"), progress=False)
+    ids, placed = sudu_prompt(engine.image_processor, engine.tokenizer, text, images)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs, cached = {}, {}
+    for rid in ("first", "again"):  # the second run's prompt comes from the prefix cache
+        engine.add_request(rid, engine.check_request(ids, params, placed))
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+    assert outputs["first"] == expected
+    assert outputs["again"] == expected
+    assert cached["again"] >= placed[-1].offset + placed[-1].num_tokens
+
+
+def test_chunks_never_end_inside_an_image():
+    from sudu.engine.scheduler import keep_images_whole
+    from sudu.engine.sequence import Sequence
+    from sudu.sampling import SamplingParams
+
+    seq = Sequence(request_id="r", index=0, token_ids=list(range(40)), num_prompt_tokens=40, params=SamplingParams(),
+                   priority=0, arrival_time=0.0, max_total_tokens=50)
+    seq.image_spans = ((10, 20), (25, 30))
+    assert keep_images_whole(seq, 5) == 5  # ends before the first image
+    assert keep_images_whole(seq, 15) == 10  # would end inside it: cut back to its start
+    seq.num_computed_tokens = 10
+    assert keep_images_whole(seq, 4) == 10  # starts at it: carried on to its end
+    assert keep_images_whole(seq, 17) == 15  # past the first, inside the second: back to the second's start
+    seq.num_computed_tokens = 13  # a cached prefix ended inside the image
+    assert keep_images_whole(seq, 2) == 7
+
+
+def test_gemma3_vl_config_needs_a_step_that_holds_an_image(vlm):
+    from sudu.config import EngineConfig
+    from sudu.engine.llm_engine import LLMEngine
+    from sudu.errors import SuduError
+
+    with pytest.raises(SuduError, match="one image's 4 tokens"):
+        LLMEngine(EngineConfig(model=str(vlm[0]), max_model_len=256, kv_cache_memory=4 << 20,
+                               max_num_batched_tokens=3, speculative="none"), progress=False)
