@@ -117,32 +117,55 @@ def test_logits_match_transformers(vlm, num_images, chunk):
     assert (causal - expected).abs().max() > 1e-3  # the image mask matters: a causal-only network would fail
 
 
-@pytest.mark.parametrize("chunk", [2048, 5])
-def test_greedy_tokens_match_transformers(vlm, chunk):
-    """chunk 5: chunks of 5 tokens would end inside the images; the scheduler moves their ends."""
+def engine_runs(model_dir, chunk: int, text: str, images, quantization: str = "none"
+                ) -> tuple[dict, dict, dict, tuple]:
+    """(tokens, logprobs, cached tokens) by request of a greedy request run twice (the second from the prefix
+    cache) with prompt chunks of at most `chunk` tokens; and the placed images."""
     from sudu.config import EngineConfig
     from sudu.engine.llm_engine import LLMEngine
     from sudu.sampling import SamplingParams
 
-    model_dir, hf = vlm
-    images = [random_image(*SIZES[i + 1], seed=10 + i) for i in range(2)]
-    text = PROMPT.format(images=BOI * 2)
-    expected = reference_greedy(hf, reference_inputs(build_tokenizer(), text, images), 8)
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=1024, kv_cache_memory=8 << 20,
                                     max_num_batched_tokens=chunk, prefill_chunk_when_decoding=chunk, block_size=4,
-                                    kv_cache_dtype="float32", speculative="none"), progress=False)
+                                    kv_cache_dtype="float32", speculative="none", quantization=quantization),
+                       progress=False)
     ids, placed = sudu_prompt(engine.image_processor, engine.tokenizer, text, images)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outputs, cached = {}, {}
-    for rid in ("first", "again"):  # the second run's prompt comes from the prefix cache
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outputs, logprobs, cached = {}, {}, {}
+    for rid in ("first", "again"):
         engine.add_request(rid, engine.check_request(ids, params, placed))
         while engine.has_unfinished():
             for out in engine.step():
                 outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+                logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.outputs[0].logprobs)
                 cached[out.request_id] = out.num_cached_tokens
-    assert outputs["first"] == expected
-    assert outputs["again"] == expected
-    assert cached["again"] >= placed[-1].offset + placed[-1].num_tokens
+    return outputs, logprobs, cached, placed
+
+
+@pytest.mark.parametrize("chunk", [2048, 5])
+def test_greedy_tokens_match_transformers(vlm, chunk):
+    """chunk 5: chunks of 5 tokens would end inside the images (4 tokens each); the scheduler moves their ends."""
+    model_dir, hf = vlm
+    images = [random_image(*SIZES[i + 1], seed=10 + i) for i in range(2)]
+    text = PROMPT.format(images=BOI * 2)
+    ref_logprobs: list[float] = []
+    expected = reference_greedy(hf, reference_inputs(build_tokenizer(), text, images), 8, ref_logprobs)
+    outputs, logprobs, cached, placed = engine_runs(model_dir, chunk, text, images)
+    assert outputs["first"] == outputs["again"] == expected
+    assert logprobs["first"] == pytest.approx(ref_logprobs, abs=1e-4)
+    assert logprobs["again"] == pytest.approx(ref_logprobs, abs=1e-4)
+    assert cached["again"] >= placed[-1].offset + placed[-1].num_tokens  # the images from the prefix cache
+
+
+def test_chunking_and_the_prefix_cache_leave_every_logprob_unchanged(vlm):
+    """With int8 weights (one arithmetic at every row count: docs/exactness.md) the answer's logprobs are the
+    same bits whether the prompt ran whole or in chunks of 5 around the images, or came from the prefix cache."""
+    images = [random_image(*SIZES[i + 1], seed=10 + i) for i in range(2)]
+    text = PROMPT.format(images=BOI * 2)
+    whole = engine_runs(vlm[0], 2048, text, images, "int8")
+    chunked = engine_runs(vlm[0], 5, text, images, "int8")
+    assert chunked[0]["first"] == whole[0]["first"]
+    assert chunked[1]["first"] == chunked[1]["again"] == whole[1]["first"] == whole[1]["again"]
 
 
 def test_chunks_never_end_inside_an_image():

@@ -99,12 +99,16 @@ def reference_inputs(tokenizer, text: str, images) -> dict:
 
 
 @torch.no_grad()
-def reference_greedy(model, inputs: dict, max_new_tokens: int) -> list[int]:
-    """transformers' greedy tokens, each from a whole forward pass over the prompt and the tokens so far."""
+def reference_greedy(model, inputs: dict, max_new_tokens: int, logprobs: list | None = None) -> list[int]:
+    """transformers' greedy tokens, each from a whole forward pass over the prompt and the tokens so far
+    (end-of-sequence ignored); logprobs, when given, gets each chosen token's log-probability."""
     inputs = dict(inputs)
     out = []
     for _ in range(max_new_tokens):
-        token = int(model(**inputs).logits[0, -1].argmax())
+        logits = model(**inputs).logits[0, -1]
+        token = int(logits.argmax())
+        if logprobs is not None:
+            logprobs.append(float(torch.log_softmax(logits.double(), -1)[token]))
         out.append(token)
         grow = torch.tensor([[token]])
         inputs["input_ids"] = torch.cat([inputs["input_ids"], grow], 1)
