@@ -17,6 +17,19 @@ MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "gemma3_text": "gemma3", "gem
                "qwen2_5_vl_text": "qwen2_5_vl"}
 
 
+# transformers' Gemma3TextConfig and SiglipVisionConfig defaults, which Gemma 3's config.json leaves out
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "bos_token_id": 2,
+}
+SIGLIP_VISION_DEFAULTS = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "num_channels": 3, "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
+}
+
+
 @dataclass
 class ModelConfig:
     architecture: str  # one of SUPPORTED_ARCHITECTURES
@@ -133,6 +146,11 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json")
         if arch == "gemma3" and outer.get("model_type") == "gemma3" and "vision_config" in outer:
             arch = "gemma3_vl"  # Gemma3ForConditionalGeneration: the text decoder plus its SigLIP tower
+            # the released files write only what differs from transformers' defaults
+            cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+            if cfg.get("eos_token_id") is None:
+                cfg["eos_token_id"] = outer.get("eos_token_id")
+            outer = {**outer, "vision_config": {**SIGLIP_VISION_DEFAULTS, **outer["vision_config"]}}
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
         kwargs["architecture"] = arch

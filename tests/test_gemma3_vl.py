@@ -168,6 +168,42 @@ def test_chunking_and_the_prefix_cache_leave_every_logprob_unchanged(vlm):
     assert chunked[1]["first"] == chunked[1]["again"] == whole[1]["first"] == whole[1]["again"]
 
 
+def test_a_cached_prefix_that_ends_inside_an_image(vlm):
+    """A request aborted after its chunk that ends at the image's end leaves cached blocks up to a block boundary
+    inside the image; the same prompt then starts there, its image rows seeing the cached ones, and answers as
+    transformers does."""
+    from sudu.config import EngineConfig
+    from sudu.engine.llm_engine import LLMEngine
+    from sudu.sampling import SamplingParams
+
+    model_dir, hf = vlm
+    images = [random_image(100, 70, seed=7)]
+    text = PROMPT.format(images="xy " + BOI)
+    ref_logprobs: list[float] = []
+    expected = reference_greedy(hf, reference_inputs(build_tokenizer(), text, images), 6, ref_logprobs)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=1024, kv_cache_memory=8 << 20,
+                                    max_num_batched_tokens=5, prefill_chunk_when_decoding=5, block_size=4,
+                                    kv_cache_dtype="float32", speculative="none"), progress=False)
+    ids, placed = sudu_prompt(engine.image_processor, engine.tokenizer, text, images)
+    a, b = placed[0].offset, placed[0].offset + placed[0].num_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    engine.add_request("aborted", engine.check_request(ids, params, placed))
+    while not a < engine.block_manager.cached_prefix_tokens(ids, placed) < b:
+        assert engine.has_unfinished() and engine.block_manager.cached_prefix_tokens(ids, placed) < a
+        engine.step()
+    engine.abort("aborted")
+    engine.add_request("resumed", engine.check_request(ids, params, placed))
+    tokens, logprobs, cached = [], [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids)
+            logprobs.extend(lp.logprob for lp in out.outputs[0].logprobs)
+            cached = out.num_cached_tokens
+    assert a < cached < b
+    assert tokens == expected
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+
+
 def test_chunks_never_end_inside_an_image():
     from sudu.engine.scheduler import keep_images_whole
     from sudu.engine.sequence import Sequence
@@ -193,3 +229,47 @@ def test_gemma3_vl_config_needs_a_step_that_holds_an_image(vlm):
     with pytest.raises(SuduError, match="one image's 4 tokens"):
         LLMEngine(EngineConfig(model=str(vlm[0]), max_model_len=256, kv_cache_memory=4 << 20,
                                max_num_batched_tokens=3, speculative="none"), progress=False)
+
+
+# google/gemma-3-4b-it's config.json as released: the text and vision parts hold only what differs from
+# transformers' defaults
+RELEASED_4B_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_the_released_4b_config_builds_the_reference_network():
+    """The released 4B config.json (defaults left out) gives transformers' network: the same tensors by name
+    (through sudu's checkpoint-name mapping) and shape, the layer pattern, the image token count."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration as HFGemma3
+
+    from sudu.media.processors import image_processor as sudu_image_processor
+    from sudu.model_config import ModelConfig
+    from sudu.models import build_model
+    from sudu.weights.safetensors import canonical_name
+
+    cfg = ModelConfig.from_hf_config(RELEASED_4B_CONFIG)
+    assert cfg.architecture == "gemma3_vl" and cfg.mm_tokens_per_image == 256 and cfg.image_token_id == 262144
+    assert cfg.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"] and cfg.sliding_window == 1024
+    assert cfg.rope_theta == 1e6 and cfg.rope_local_base_freq == 1e4 and cfg.rope_scaling_factor == 8.0
+    assert cfg.eos_token_id == [1, 106]
+    with torch.device("meta"):
+        ours = {n: tuple(t.shape) for n, t in build_model(cfg).state_dict().items() if n != "lm_head.weight"}
+        hf = HFGemma3(Gemma3Config(**{k: v for k, v in RELEASED_4B_CONFIG.items() if k != "architectures"}))
+    theirs = {canonical_name(n, "gemma3_vl"): tuple(t.shape) for n, t in hf.state_dict().items()
+              if n != "lm_head.weight"}
+    assert ours == theirs
+    # the released files' own names
+    assert canonical_name("vision_tower.vision_model.encoder.layers.3.mlp.fc1.weight", "gemma3_vl") in ours
+    assert canonical_name("language_model.model.layers.33.self_attn.q_norm.weight", "gemma3_vl") in ours
+    processor = sudu_image_processor(cfg, {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 2,
+                                           "size": {"height": 896, "width": 896}})
+    assert (processor.height, processor.width, processor.tokens_per_image) == (896, 896, 256)
