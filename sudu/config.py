@@ -103,6 +103,8 @@ class EngineConfig:
     # vision-language models: bytes of image embeddings kept by content hash (engine/vision_inputs.py), so an
     # image sent again (the next turn of a conversation, the same screenshot) is not encoded again
     encoder_cache_memory: int = 256 << 20
+    # a llama.cpp mmproj GGUF file: the vision tower of a GGUF language model (weights/mmproj.py; Gemma 3's)
+    mmproj: str | None = None
     num_threads: int | None = None  # torch intra-op threads; None -> physical cores available
     seed: int = 0
 

@@ -9,12 +9,25 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek2",
-                           "qwen2_5_vl")
+                           "qwen2_5_vl", "gemma3_vl")
 # config.json model_type -> architecture
 MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3",
                "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "deepseek_v2": "deepseek2",
                "deepseek_v3": "deepseek2", "deepseek_v32": "deepseek2", "qwen2_5_vl": "qwen2_5_vl",
                "qwen2_5_vl_text": "qwen2_5_vl"}
+
+
+# transformers' Gemma3TextConfig and SiglipVisionConfig defaults, which Gemma 3's config.json leaves out
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "bos_token_id": 2,
+}
+SIGLIP_VISION_DEFAULTS = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "num_channels": 3, "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
+}
 
 
 @dataclass
@@ -78,6 +91,7 @@ class ModelConfig:
     # a vision-language model: its vision tower's config.json section and the prompt's image placeholder id
     vision_config: dict | None = None
     image_token_id: int | None = None
+    mm_tokens_per_image: int | None = None  # Gemma 3: the embeddings (and placeholder tokens) of one image
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
 
@@ -130,12 +144,19 @@ class ModelConfig:
         arch = MODEL_TYPES.get(model_type)
         if arch is None:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json")
+        if arch == "gemma3" and outer.get("model_type") == "gemma3" and "vision_config" in outer:
+            arch = "gemma3_vl"  # Gemma3ForConditionalGeneration: the text decoder plus its SigLIP tower
+            # the released files write only what differs from transformers' defaults
+            cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+            if cfg.get("eos_token_id") is None:
+                cfg["eos_token_id"] = outer.get("eos_token_id")
+            outer = {**outer, "vision_config": {**SIGLIP_VISION_DEFAULTS, **outer["vision_config"]}}
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
         kwargs["architecture"] = arch
         if arch in ("qwen2", "qwen2moe", "qwen2_5_vl"):
             kwargs["attention_bias"] = True
-        if arch == "qwen2_5_vl":
+        if arch in ("qwen2_5_vl", "gemma3_vl"):
             _vision_fields(outer, cfg, kwargs)
         if arch in ("qwen2", "qwen2moe", "qwen2_5_vl", "qwen3", "qwen3moe", "mixtral", "deepseek2", "llama"):
             # qwen ships sliding_window with use_sliding_window=false; the others attend globally
@@ -157,7 +178,7 @@ class ModelConfig:
             yarn = kwargs["rope_yarn"]
             kwargs["max_position_embeddings"] = max(cfg.get("max_position_embeddings") or 0,
                                                     int(yarn["original_max_position_embeddings"] * yarn["factor"]))
-        if arch == "gemma3":
+        if arch in ("gemma3", "gemma3_vl"):
             kwargs.setdefault("tie_word_embeddings", True)
             kwargs.setdefault("rope_local_base_freq", 10000.0)
             kwargs["hidden_act"] = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
@@ -173,14 +194,18 @@ class ModelConfig:
 
 
 def _vision_fields(outer: dict, text: dict, kwargs: dict) -> None:
-    """A vision-language checkpoint's vision tower, image placeholder and multimodal rotary: config.json keeps
+    """A vision-language checkpoint's vision tower, image placeholder and multimodal rotary (Qwen2.5-VL) or image
+    token count (Gemma 3): config.json keeps
     them next to the text config (transformers >= 5 nests that in text_config; older files inline it)."""
     if not isinstance(outer.get("vision_config"), dict):
         raise ValueError("a vision-language config.json needs its vision_config")
     kwargs["vision_config"] = dict(outer["vision_config"])
-    kwargs["image_token_id"] = outer.get("image_token_id", text.get("image_token_id"))
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or outer.get("rope_scaling") or {}
-    kwargs["mrope_section"] = list(rope.get("mrope_section", [16, 24, 24]))
+    kwargs["image_token_id"] = outer.get("image_token_id", outer.get("image_token_index", text.get("image_token_id")))
+    if kwargs["architecture"] == "gemma3_vl":
+        kwargs["mm_tokens_per_image"] = int(outer.get("mm_tokens_per_image", 256))
+    else:
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or outer.get("rope_scaling") or {}
+        kwargs["mrope_section"] = list(rope.get("mrope_section", [16, 24, 24]))
     if "tie_word_embeddings" in outer:
         kwargs["tie_word_embeddings"] = bool(outer["tie_word_embeddings"])
 

@@ -39,6 +39,8 @@ def engine_namespace(config, model_cfg, model_path: Path, weight_format: str, kv
         "block_size": config.block_size,
         "model_config": dataclasses.asdict(model_cfg),  # RoPE (theta, scaling, local base), heads, layers
     }
+    if config.mmproj:  # another vision tower gives an image's tokens other KV (only then: older ids stay valid)
+        description["mmproj_identity"] = fingerprint_path(Path(config.mmproj))
     # the model argument names the file here, not its contents: two machines with the file at different paths
     # share blocks, so it stays out of the hash (it is kept for `sudu cache info`)
     return make_namespace({k: v for k, v in description.items() if k != "model"}), description

@@ -80,7 +80,7 @@ class LLMEngine:
 
         config.validate()
         self.config = config
-        ckpt = load_checkpoint(config.model, pull=True, progress=progress)
+        ckpt = load_checkpoint(config.model, pull=True, progress=progress, mmproj=config.mmproj)
         if config.rope_scaling:
             ckpt.config = with_rope_scaling(ckpt.config, rope_scaling_dict(config.rope_scaling))
         self.model_config = ckpt.config

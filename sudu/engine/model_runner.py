@@ -116,6 +116,18 @@ def flat_batch(scheduled) -> tuple[list[int], list[int], list[int], list[int], l
     return ids, positions, q_lens, ends, sample_rows
 
 
+def images_whole(model_cfg: ModelConfig, config: EngineConfig, cuda_path: bool) -> None:
+    """SuduError unless a model whose image tokens attend both ways can run here: a step must hold a whole
+    image (the scheduler never ends a chunk inside one; a sliding window's ring is sized by the step), and the
+    CUDA path's kernel has no such mask."""
+    if cuda_path:
+        raise SuduError(f"{model_cfg.architecture}'s images attend both ways, which the CUDA path's attention does "
+                        "not do yet; serve it with --device cpu")
+    if config.max_num_batched_tokens < model_cfg.mm_tokens_per_image:
+        raise SuduError(f"max_num_batched_tokens={config.max_num_batched_tokens} is below one image's "
+                        f"{model_cfg.mm_tokens_per_image} tokens, which one step must hold")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, max_model_len: int,
                  tokenizer=None, kv_ranges: list | None = None):
@@ -136,7 +148,7 @@ class ModelRunner:
             self.prefill_sdpa_dtype = prefill_attention_dtype(model) if self.device.type == "cpu" else None
         # a vision-language network's images: encoder cache, image rows, multimodal positions
         self.vision = (VisionInputs(model, config.encoder_cache_memory)
-                       if getattr(model, "POSITION_AXES", 1) == 3 else None)
+                       if hasattr(model, "encode_images") else None)
         self.keep_hidden = False  # set by a drafter that reads the target's hidden states (MTP)
         self.last_hidden: torch.Tensor | None = None
         self.sliding_window = model_cfg.sliding_window if "sliding_attention" in model_cfg.layer_types else None
@@ -163,6 +175,8 @@ class ModelRunner:
             raise SuduError(f"kv_cache_memory={self._kv_budget_bytes(max_model_len)} bytes holds fewer than "
                             f"2 blocks of {self.block_size} tokens")
         cuda_path = uses_cuda_path(self.device, model_cfg)
+        if self.vision is not None and self.vision.bidirectional:
+            images_whole(model_cfg, config, cuda_path)
         scratch = int(cuda_path)  # the CUDA path's padding rows write one block past the last (cuda/step.py)
         self.kv_caches = []
         for i in range(model_cfg.num_hidden_layers):
@@ -264,4 +278,6 @@ class ModelRunner:
                 sliding_keys.append((first, self.sliding_blocks.slots(s.seq, first, start + s.num_new_tokens)))
         ctx_slots = context_slots([s.seq.block_table for s in scheduled], ends, bs)
         sdpa_dtype = self.prefill_sdpa_dtype if sum(q_lens) >= self.prefill_path[1] else None
-        return build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys, sdpa_dtype)
+        spans = self.vision.image_spans(scheduled) if self.vision is not None else None
+        return build_metadata(q_lens, ctx_slots, self.kv_caches, self.sliding_window, sliding_keys, sdpa_dtype,
+                              spans)

@@ -35,6 +35,19 @@ class ScheduledSeq:
         return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
+def keep_images_whole(seq: Sequence, n: int) -> int:
+    """The chunk of n new tokens moved so it does not end inside one of seq's image spans (whose tokens attend
+    to each other both ways, so an image's rows must all be computed in the step that computes its last one):
+    cut back to the image's start, or where the chunk starts inside the image (its start) or a cached prefix
+    ended inside it, carried on to the image's end, over the step's budget if need be (at most an image)."""
+    start = seq.num_computed_tokens
+    end = start + n
+    for a, b in seq.image_spans:
+        if a < end < b:
+            end = a if a > start else b
+    return end - start
+
+
 class ChunkBudget:
     """Prompt tokens per step while other sequences decode (long/short mixing): a long prompt advances a
     chunk at a time so it cannot stretch the decoders' inter-token latency (ITL).
@@ -153,7 +166,10 @@ class Scheduler:
                 if n == 0:
                     i += 1
                     continue
+                n = keep_images_whole(seq, n)
                 prefill_budget -= n
+            elif seq.image_spans:
+                n = keep_images_whole(seq, n)
             while not bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -176,7 +192,7 @@ class Scheduler:
             if prefill_budget <= 0:
                 break
             cached = bm.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget, prefill_budget)
+            n = keep_images_whole(seq, min(seq.num_uncomputed_tokens, budget, prefill_budget))
             if not bm.can_allocate(seq, n):
                 bm.free_sequence(seq)  # first come, first served: nobody overtakes it
                 break

@@ -58,6 +58,9 @@ class Sequence:
     images: tuple = ()  # the prompt's images (media.image.ImageInput), in prompt order
     # multimodal rotary: (positions [3, num_prompt_tokens], the shift of every later token's position)
     mrope: tuple | None = None
+    # position spans [a, b) of images whose tokens attend to each other both ways (Gemma 3): a prompt chunk
+    # never ends inside one (scheduler.py keep_images_whole)
+    image_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,10 @@
 """A vision-language model's part of each step: the embeddings of the images whose tokens the step runs (from the
 encoder cache, keyed by the image's content hash, or encoded now, one call to the vision tower per image, before
-the forward pass that reads them), the rows those embeddings replace, and every row's
-multimodal rotary position. An image's embeddings are computed whole, whatever chunk of its tokens a step runs,
-so chunking and caching leave the numbers unchanged."""
+the forward pass that reads them), the rows those embeddings replace, every row's position (multimodal rotary
+for Qwen2.5-VL, plain for Gemma 3), and for a model whose image tokens attend to each other both ways (Gemma 3)
+each image's span of positions, which the attention metadata widens those rows' masks to and the scheduler keeps
+whole within a chunk. An image's embeddings are computed whole, whatever chunk of its tokens a step runs, so
+chunking and caching leave the numbers unchanged."""
 from __future__ import annotations
 
 import time
@@ -69,12 +71,28 @@ class VisionInputs:
     def __init__(self, model: torch.nn.Module, cache_bytes: int):
         self.model = model
         self.cache = EncoderCache(cache_bytes)
+        self.mrope = getattr(model, "POSITION_AXES", 1) == 3
+        self.bidirectional = getattr(model, "BIDIRECTIONAL_IMAGES", False)
 
     def attach(self, seq, images: tuple[ImageInput, ...]) -> None:
-        """A new sequence's images and the multimodal rotary positions of its prompt."""
+        """A new sequence's images, the multimodal rotary positions of its prompt, and the spans a prompt chunk
+        must not end inside."""
         seq.images = images
-        if images:
+        if images and self.mrope:
             seq.mrope = self.model.prompt_positions(seq.num_prompt_tokens, images)
+        if self.bidirectional:
+            seq.image_spans = tuple((image.offset, image.offset + image.num_tokens) for image in images)
+
+    def image_spans(self, scheduled) -> list[list[tuple[int, int]]] | None:
+        """Per scheduled sequence, the spans of its images with tokens in this step whose tokens attend both
+        ways; None when no sequence has one."""
+        if not self.bidirectional:
+            return None
+        out = []
+        for s in scheduled:
+            start, end = step_range(s)
+            out.append([(a, b) for a, b in s.seq.image_spans if a < end and b > start])
+        return out if any(out) else None
 
     def embeddings(self, scheduled, device: torch.device, dtype: torch.dtype) -> dict[bytes, torch.Tensor]:
         """content hash -> [num_tokens, hidden] for every image with tokens in this step."""
@@ -119,7 +137,10 @@ class VisionInputs:
 
     def positions(self, scheduled) -> torch.Tensor:
         """Every row's (temporal, height, width) position: [3, rows]. Text rows past the prompt's images are
-        shifted as the prompt's last image left them; a sequence without images has plain positions."""
+        shifted as the prompt's last image left them; a sequence without images has plain positions. A model
+        without multimodal rotary: every row's plain position [rows]."""
+        if not self.mrope:
+            return torch.cat([torch.arange(*step_range(s)) for s in scheduled])
         parts = []
         for s in scheduled:
             start, end = step_range(s)

@@ -75,11 +75,15 @@ class SeqAttention:
     # with a window (> 0), first + i - j < window
     first: int = 0
     window: int = 0
+    # rows that are an image's tokens in a model whose images attend both ways (Gemma 3): they see up to their
+    # image's last position, which `mask` says and the native path computes as a few-row batch after the chunk
+    image_rows: DecodeBatch | None = None
 
     def to(self, device: torch.device) -> SeqAttention:
         mask = None if self.mask is None else self.mask.to(device, non_blocking=True)
+        rows = None if self.image_rows is None else self.image_rows.to(device)
         return SeqAttention(self.q_start, self.q_len, self.key_slots.to(device, non_blocking=True), mask,
-                            self.first, self.window)
+                            self.first, self.window, rows)
 
 
 @dataclass
@@ -137,13 +141,52 @@ class AttentionMetadata:
                                  self.kv_caches, self.sdpa_dtype)
 
 
+def widen_to_images(mask: torch.Tensor, spans: list[tuple[int, int]], q0: int, k0: int) -> None:
+    """mask [q, keys] (True = attend) of new tokens at positions q0.. over keys at positions k0..: a token of an
+    image span [a, b) also sees the keys after it up to b - 1 (the image's own tokens, both ways). Its lower
+    bound (the window) stays."""
+    for a, b in spans:
+        for p in range(max(a, q0), min(b, q0 + mask.shape[0])):
+            mask[p - q0, p - k0 + 1:b - k0] = True
+
+
+def image_batch(q_start: int, q0: int, k0: int, slots: torch.Tensor, spans: list[tuple[int, int]],
+                window: int | None, rows_per_item: int = 16) -> DecodeBatch | None:
+    """The image tokens among a prompt chunk (its first new token at position q0, flat row q_start; keys from
+    position k0 in slots) as a few-row batch for the native decode kernel, each row over its own span of keys:
+    from its window's start (or the list's) to its image's last position. The kernel computes a row by the
+    prompt kernel's recipe, so such a row is computed as any row that sees those keys."""
+    positions = [p for a, b in spans for p in range(max(a, q0), b)]
+    if not positions:
+        return None
+    ends = [b for a, b in spans for _ in range(max(a, q0), b)]
+    n, width = len(positions), slots.numel()
+    items = -(-n // rows_per_item)
+    pos = torch.full((items * rows_per_item,), -1, dtype=torch.long)
+    pos[:n] = torch.tensor(positions)
+    end = torch.zeros(items * rows_per_item, dtype=torch.long)
+    end[:n] = torch.tensor(ends)
+    valid = pos >= 0
+    k_pos = torch.arange(width) + k0
+    mask = (k_pos[None, :] < end[:, None]) & valid[:, None]
+    if window:
+        mask &= k_pos[None, :] > pos[:, None] - window
+    mask[:, 0] |= ~valid  # padding rows see key 0, never NaN
+    rows = torch.where(valid, pos - q0 + q_start, -1).view(items, rows_per_item)
+    return DecodeBatch(rows, slots[None].expand(items, width).contiguous(), mask.view(items, 1, rows_per_item, width),
+                       padded=n < items * rows_per_item)
+
+
 def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], key_slots: list[torch.Tensor],
-               window: int | None) -> AttentionView:
+               window: int | None, image_spans: list[list[tuple[int, int]]] | None = None) -> AttentionView:
     """Sequence i has q_lens[i] new tokens at the end of ctx_lens[i] positions and sees the keys at
     positions key_starts[i]..ctx_lens[i]-1, held in key_slots[i]. A key list that starts past position 0 (a
     sliding window's own pool: only with window set, whose mask hides every earlier position) is padded at
-    its front with slot 0 back to a multiple of KEY_BLOCK."""
+    its front with slot 0 back to a multiple of KEY_BLOCK. image_spans[i]: the position spans [a, b) of the
+    images whose tokens attend both ways among this step's new tokens (each within the context: b <=
+    ctx_lens[i], the scheduler never ends a chunk inside an image)."""
     slot_parts, seqs, small, small_rows = [], [], [], []
+    spans_of = image_spans or [[] for _ in q_lens]
     key_starts, key_slots = list(key_starts), list(key_slots)
     row = 0
     for i, (q_len, k0, slots) in enumerate(zip(q_lens, key_starts, key_slots)):
@@ -159,7 +202,8 @@ def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], ke
             small_rows.append(row)
         else:
             start = ctx_len - q_len
-            plain_causal = start == 0 and k0 == 0 and not (window and ctx_len > window)
+            spans = spans_of[i]
+            plain_causal = start == 0 and k0 == 0 and not (window and ctx_len > window) and not spans
             mask = None
             if not plain_causal:
                 q_pos = torch.arange(start, ctx_len)[:, None]
@@ -167,15 +211,19 @@ def build_view(q_lens: list[int], ctx_lens: list[int], key_starts: list[int], ke
                 mask = k_pos <= q_pos
                 if window:
                     mask &= q_pos - k_pos < window
-            seqs.append(SeqAttention(row, q_len, slots, mask, start - k0, window or 0))
+                widen_to_images(mask, spans, start, k0)
+            wide = image_batch(row, start, k0, slots, spans, window) if spans else None
+            seqs.append(SeqAttention(row, q_len, slots, mask, start - k0, window or 0, wide))
         row += q_len
-    decode = _decode_batch(small, small_rows, q_lens, ctx_lens, key_starts, key_slots, window) if small else None
+    decode = (_decode_batch(small, small_rows, q_lens, ctx_lens, key_starts, key_slots, window, spans_of)
+              if small else None)
     slot_mapping = torch.cat(slot_parts) if slot_parts else torch.zeros(0, dtype=torch.long)
     return AttentionView(slot_mapping, seqs, decode)
 
 
 def _decode_batch(small: list[int], first_rows: list[int], q_lens: list[int], ctx_lens: list[int],
-                  key_starts: list[int], key_slots: list[torch.Tensor], window: int | None) -> DecodeBatch:
+                  key_starts: list[int], key_slots: list[torch.Tensor], window: int | None,
+                  image_spans: list[list[tuple[int, int]]]) -> DecodeBatch:
     """The few-new-token sequences `small` as one padded batch, built with a fixed number of tensor ops
     whatever the batch size (per-step host work: it runs every decode step)."""
     # per sequence: new tokens, keys, first key's position, first new token's position, its row
@@ -200,6 +248,9 @@ def _decode_batch(small: list[int], first_rows: list[int], q_lens: list[int], ct
     mask = (k_pos[:, None, :] <= q_pos) & (cols < info[:, 1:2])[:, None, :] & valid_q[:, :, None]
     if window:
         mask &= q_pos - k_pos[:, None, :] < window
+    for b, i in enumerate(small):
+        if image_spans[i]:
+            widen_to_images(mask[b], image_spans[i], ctx_lens[i] - q_lens[i], key_starts[i])
     mask[:, :, 0] |= ~valid_q  # padding queries see key 0, never NaN
     rows = torch.where(valid_q, info[:, 4:5] + j, -1)
     return DecodeBatch(rows, slots, mask[:, None], padded=padded)
@@ -212,19 +263,21 @@ def build_metadata(
     sliding_window: int | None,
     sliding_keys: list[tuple[int, torch.Tensor]] | None = None,
     sdpa_dtype: torch.dtype | None = None,
+    image_spans: list[list[tuple[int, int]]] | None = None,
 ) -> AttentionMetadata:
     """q_lens[i] new tokens of sequence i sit at the end of its context, whose slots are ctx_slots[i].
     With sliding_window set, sliding layers read either their own pool (sliding_keys[i] = (first
-    position kept, slots from there on)) or, without it, the same slots under a window mask."""
+    position kept, slots from there on)) or, without it, the same slots under a window mask. image_spans:
+    per sequence, the spans of images whose tokens attend both ways (build_view)."""
     ctx_lens = [s.numel() for s in ctx_slots]
-    full = build_view(q_lens, ctx_lens, [0] * len(q_lens), ctx_slots, None)
+    full = build_view(q_lens, ctx_lens, [0] * len(q_lens), ctx_slots, None, image_spans)
     sliding = None
     if sliding_window:
         if sliding_keys is None:
-            sliding = build_view(q_lens, ctx_lens, [0] * len(q_lens), ctx_slots, sliding_window)
+            sliding = build_view(q_lens, ctx_lens, [0] * len(q_lens), ctx_slots, sliding_window, image_spans)
         else:
             sliding = build_view(q_lens, ctx_lens, [k0 for k0, _ in sliding_keys], [s for _, s in sliding_keys],
-                                 sliding_window)
+                                 sliding_window, image_spans)
     return AttentionMetadata(full, sliding, kv_caches, sdpa_dtype)
 
 
@@ -273,6 +326,10 @@ def paged_attention(
         if native is not None:
             native(q[s.q_start:s.q_start + s.q_len], cache.k, cache.v, *pool_scales, s.key_slots,
                    out[s.q_start:s.q_start + s.q_len], s.first, s.window, scale)
+            if s.image_rows is not None:  # an image's rows again, each seeing up to its image's end
+                d = s.image_rows
+                kernels.load().decode_attention(q, cache.k, cache.v, *pool_scales, d.rows, d.slots, d.mask[:, 0],
+                                                scale, out)
             continue
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).to(dtype)  # [H, q, D]
         ks, vs = cache.read(s.key_slots, dtype)  # [keys, Hkv, D]

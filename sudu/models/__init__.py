@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "deepseek2": ("deepseek2", "DeepseekV2ForCausalLM"),
     "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "gemma3_vl": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
 }
 
 

@@ -134,9 +134,15 @@ class Gemma3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         # the reference rounds the scale to the embedding dtype before multiplying
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return self.decode_layers(x, positions, meta)
+
+    def decode_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      native: bool = True) -> torch.Tensor:
+        """The decoder over input embeddings x [T, hidden]; native: steps of few-new-token sequences may take
+        the one-call stack."""
         rope_global = self.rotary_global.lookup(positions, x.dtype)
         rope_local = self.rotary_local.lookup(positions, x.dtype)
-        out = self._decode_natively(x, rope_global, rope_local, meta)
+        out = self._decode_natively(x, rope_global, rope_local, meta) if native else None
         if out is not None:
             return out
         residual = None

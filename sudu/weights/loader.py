@@ -16,6 +16,7 @@ from sudu.weights import gguf as gguf_weights
 from sudu.weights import safetensors as st_weights
 from sudu.weights.catalog import byte_progress, resolve_model_path
 from sudu.weights.gguf import QuantizedTensor
+from sudu.weights.mmproj import attach_mmproj
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -29,6 +30,7 @@ class Checkpoint:
     progress: bool = False
     preprocessor: dict | None = None  # preprocessor_config.json of a vision-language directory
     _reader: Any = field(default=None, repr=False)  # the parsed GGUFFile; its memory map backs the blocks
+    mmproj_reader: Any = field(default=None, repr=False)  # a llama.cpp mmproj file's (weights/mmproj.py)
     _quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
 
     def tensor_names(self) -> list[str]:
@@ -92,8 +94,9 @@ class Checkpoint:
 
     def release_pages(self) -> None:
         """Drop the resident pages of the file's memory map once the network is built (GGUFFile.release_pages)."""
-        if self._reader is not None:
-            self._reader.release_pages()
+        for reader in (self._reader, self.mmproj_reader):
+            if reader is not None:
+                reader.release_pages()
 
     def quantized(self, name: str) -> QuantizedTensor | None:
         """The original GGUF blocks behind a Hugging Face name; None for float tensors and safetensors."""
@@ -101,7 +104,9 @@ class Checkpoint:
         return None if qt is None or qt.is_float else qt
 
 
-def load_checkpoint(name_or_path: str, pull: bool = True, progress: bool = True) -> Checkpoint:
+def load_checkpoint(name_or_path: str, pull: bool = True, progress: bool = True, mmproj: str | None = None
+                    ) -> Checkpoint:
+    """mmproj: a llama.cpp mmproj file holding the vision tower of a GGUF language model (weights/mmproj.py)."""
     path = resolve_model_path(name_or_path, pull=pull, progress=progress)
     if path.is_dir():
         config = st_weights.read_config(path)
@@ -114,6 +119,8 @@ def load_checkpoint(name_or_path: str, pull: bool = True, progress: bool = True)
         tokenizer = Tokenizer.from_gguf(reader)
         checkpoint = Checkpoint(path, config, tokenizer, format="gguf", progress=progress, _reader=reader,
                                 _quantized=gguf_weights.quantized_tensors(reader, config))
+    if mmproj is not None:
+        attach_mmproj(checkpoint, mmproj)
     # One stop list for everyone: the tokenizer knows the turn terminators config.json / GGUF leave out.
     config.eos_token_id = list(dict.fromkeys(list(config.eos_token_id) + tokenizer.eos_token_ids))
     return checkpoint

@@ -70,13 +70,19 @@ _MIXTRAL_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 # Qwen2.5-VL as transformers >= 5 saves it -> the names of the original checkpoints (and of sudu's network)
 _VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+# Gemma 3's parts, as transformers >= 5 saves them and as the released checkpoints name them -> sudu's network
+# (the released files nest the SigLIP tower's parts in vision_model, transformers >= 5 writes them without it)
+_GEMMA3_VL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head."), ("model.vision_tower.vision_model.", "vision_tower."),
+                       ("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+                       ("model.multi_modal_projector.", "multi_modal_projector."))
 
 
 def canonical_name(name: str, arch: str | None) -> str:
     """The name sudu's network gives a checkpoint tensor (the checkpoint's own, except Mixtral's experts and
     transformers >= 5's nesting of a vision-language model's parts)."""
-    if arch == "qwen2_5_vl":
-        for prefix, canonical in _VL_PREFIXES:
+    if arch in ("qwen2_5_vl", "gemma3_vl"):
+        for prefix, canonical in _VL_PREFIXES if arch == "qwen2_5_vl" else _GEMMA3_VL_PREFIXES:
             if name.startswith(prefix):
                 return canonical + name[len(prefix):]
         return name
