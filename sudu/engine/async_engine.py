@@ -40,8 +40,7 @@ log = logging.getLogger(__name__)
 
 TRANSIT_EXPIRY_S = 30.0  # an admitted request whose generate never came stops counting after this
 PROMISE_GRACE_S = 5.0  # a refused request's place is kept this long after its Retry-After has passed
-# a request back after its Retry-After is held to this much more than --max-queue-wait, its wait priced as its
-# Retry-After was (at the mean measured actual / predicted ratio, not the tail's): the Retry-After was a
+# a request back after its Retry-After is held to this much more than --max-queue-wait: its Retry-After was a
 # prediction too, and being refused twice for a near miss would break the promise for little gain
 PROMISE_SLACK = 1.5
 
@@ -168,13 +167,11 @@ class AsyncLLMEngine:
             base = self._load
 
             limit = self.config.max_queue_wait * (PROMISE_SLACK if promise is not None else 1.0)
-            rates = self.engine.wait_model.rates
-            judged = rates if promise is None else rates.at_mean()
 
             def predict(promised: tuple[SeqLoad, ...]) -> WaitPrediction:
                 load = EngineLoad(base.running, base.waiting + transit + promised)
-                return predict_wait(load, new, self.config.max_num_seqs, judged, limit, now,
-                                    self.config.priority_aging_s)[0]
+                return predict_wait(load, new, self.config.max_num_seqs, self.engine.wait_model.rates,
+                                    limit, now, self.config.priority_aging_s)[0]
 
             # admitted now: the promises due before its first token would be ahead of it. A request that would
             # start at once on the engine's real queue (a free slot, no prompt ahead) is admitted whatever was
@@ -195,12 +192,14 @@ class AsyncLLMEngine:
                 # its Retry-After is when that backlog too will have been worked off. The backlog's drain is
                 # priced at the mean of measured actual / predicted waits, not at their tail: a whole queue of
                 # clients told the tail would come back after the engine had long gone idle, and told the
-                # model's bare rate (a mean ratio above 1 under load) they come back before their turn. It is
-                # back when what is left ahead of it, priced the same way (the way it is judged then), is
-                # within the limit
+                # model's bare rate (a mean ratio above 1 under load) they come back before their turn. It
+                # comes back when what is left ahead of it, as admission will judge it (scaled by the tail
+                # factor), is within the limit: the raw queue left must be limit / calibration, which the
+                # drain reaches limit x mean_ratio / calibration seconds before its end
+                rates = self.engine.wait_model.rates
                 backlog = predict(self._promises.ahead(now, math.inf))
-                drain = backlog.queue_s / judged.calibration * rates.mean_ratio
-                retry = max(prediction.retry_after_s, math.ceil(drain - limit),
+                drain = backlog.queue_s / rates.calibration * rates.mean_ratio
+                retry = max(prediction.retry_after_s, math.ceil(drain - limit * rates.mean_ratio / rates.calibration),
                             math.ceil(self._promises.last_due() - now))
                 prediction = dataclasses.replace(prediction, retry_after_s=retry)
                 self._promises.keep(key, Promise(now + prediction.retry_after_s, arrival, loads))

@@ -28,7 +28,6 @@ after those ahead of it have taken theirs), and is otherwise refused with a shor
 """
 from __future__ import annotations
 
-import copy
 import heapq
 import math
 import time
@@ -107,13 +106,6 @@ class ServiceRates:
         # how much slower prompt tokens and decode steps go while the two share steps (WaitModel sets them
         # from the scheduler's chunk allowance, --max-itl-factor); 1: as fast as alone
         self.mixed_prefill_factor = self.mixed_decode_factor = 1.0
-
-    def at_mean(self) -> "ServiceRates":
-        """These rates with the calibration factor at the mean ratio instead of the tail's: how a wait is
-        priced when a refused request is told to come back, and so how it is judged when it does."""
-        priced = copy.copy(self)
-        priced.calibration = self.mean_ratio
-        return priced
 
     def expected_remaining(self, load: "SeqLoad") -> float:
         """Tokens a sequence will still generate: its max_tokens left, at most what sequences have been
