@@ -192,14 +192,11 @@ class AsyncLLMEngine:
                 # its Retry-After is when that backlog too will have been worked off. The backlog's drain is
                 # priced at the mean of measured actual / predicted waits, not at their tail: a whole queue of
                 # clients told the tail would come back after the engine had long gone idle, and told the
-                # model's bare rate (a mean ratio above 1 under load) they come back before their turn. It
-                # comes back when what is left ahead of it, as admission will judge it (scaled by the tail
-                # factor), is within the limit: the raw queue left must be limit / calibration, which the
-                # drain reaches limit x mean_ratio / calibration seconds before its end
+                # model's bare rate (a mean ratio above 1 under load) they come back before their turn
                 rates = self.engine.wait_model.rates
                 backlog = predict(self._promises.ahead(now, math.inf))
                 drain = backlog.queue_s / rates.calibration * rates.mean_ratio
-                retry = max(prediction.retry_after_s, math.ceil(drain - limit * rates.mean_ratio / rates.calibration),
+                retry = max(prediction.retry_after_s, math.ceil(drain - limit),
                             math.ceil(self._promises.last_due() - now))
                 prediction = dataclasses.replace(prediction, retry_after_s=retry)
                 self._promises.keep(key, Promise(now + prediction.retry_after_s, arrival, loads))
