@@ -67,8 +67,8 @@ def test_each_format_matches_the_reference(ggml_type):
                 outputs[(isa, m)] = y
         assert torch.equal(outputs[(isa, 64)][:9], outputs[(isa, 9)])
         assert torch.equal(outputs[(isa, 1)], outputs[(isa, 17)][:1])
-    if len(isas()) == 2:  # AVX2 and VNNI: the same integers and float operations
-        assert torch.equal(outputs[("avx2", 64)], outputs[("avx512vnni", 64)])
+    for isa in isas()[1:]:  # AVX2, VNNI and AMX tiles: the same integers and float operations
+        assert torch.equal(outputs[("avx2", 64)], outputs[(isa, 64)]), isa
 
 
 @pytest.mark.parametrize("ggml_type", list(BLOCKS))

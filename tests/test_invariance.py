@@ -230,12 +230,15 @@ def test_seeded_sampling_ignores_neighbours_and_cache(engines):
 
 
 def kernel_isas() -> list:
-    """The dot-product instruction sets of the quantized kernels (kernels.h KernelOptions::vnni), each one
-    this CPU lacks reported as skipped with the reason."""
+    """The dot-product instruction sets of the quantized kernels (kernels.h KernelOptions::vnni and ::amx),
+    each one this CPU lacks reported as skipped with the reason."""
     ext = kernels.load()
     assert ext is not None, f"the native kernels did not load: {kernels.disabled_reason() or 'compile failed'}"
     return ["avx2", pytest.param("avx512vnni", marks=pytest.mark.skipif(
-        not ext.cpu_has_vnni(), reason="this CPU lacks AVX-512 VNNI: its kernels are not exercised here"))]
+        not ext.cpu_has_vnni(), reason="this CPU lacks AVX-512 VNNI: its kernels are not exercised here")),
+        pytest.param("amx", marks=pytest.mark.skipif(
+            not ext.cpu_has_amx(), reason="this CPU lacks AMX int8 tiles, or the OS does not grant them: "
+                                          "their kernels are not exercised here"))]
 
 
 @pytest.mark.parametrize("name", kernel_isas())
@@ -243,7 +246,9 @@ def kernel_isas() -> list:
 def test_each_instruction_set_is_invariant_and_they_agree(engines, name, model, fmt):
     prompts = prompts_of(LENGTHS, seed=8)
     native_ref = reference(engines, model, fmt, prompts)
-    with kernels.options(vnni=name == "avx512vnni") as ext:
+    # amx: AMX tiles from 16 rows (every prompt chunk of 16+ rows), the VNNI kernels for the rest
+    amx = {"amx": name == "amx", **({"amx_min_rows": 16} if name == "amx" else {})}
+    with kernels.options(vnni=name != "avx2", **amx) as ext:
         assert ext.isa() == name
         ref = reference(engines, model, fmt, prompts)
         assert answers(engines(model, fmt).generate(prompts, GREEDY)) == ref

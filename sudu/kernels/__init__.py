@@ -25,7 +25,7 @@ from sudu.paths import sudu_home
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "act_quant.cpp", "gguf_tiles.cpp", "attention.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "act_quant.cpp", "gguf_tiles.cpp", "amx_tiles.cpp", "attention.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -141,8 +141,8 @@ def _build_lock(path: Path):
 
 @contextlib.contextmanager
 def options(**changes):
-    """The quantized products' options (kernels.h KernelOptions: vnni, unpack_min_rows, bypass_min_rows,
-    contiguous_shares, fused_silu) changed for the block and restored after it, yielding the extension.
+    """The quantized products' options (kernels.h KernelOptions: vnni, amx, amx_min_rows, unpack_min_rows,
+    bypass_min_rows, contiguous_shares, fused_silu, attention512) changed for the block and restored after it, yielding the extension.
     Every option computes the same values; tests and benchmarks compare the routes."""
     ext = load()
     if ext is None:

@@ -1,5 +1,6 @@
 // The Python module of sudu's native kernels: quant_linear.cpp (weight-only quantized linear layers, with
-// act_quant.cpp quantizing their activations and gguf_tiles.cpp for GGUF's own block formats),
+// act_quant.cpp quantizing their activations, gguf_tiles.cpp for GGUF's own block formats and amx_tiles.cpp
+// for AMX's int8 tiles),
 // attention.cpp (attention over the paged KV pool: few new tokens of many sequences, or a prompt chunk, one
 // arithmetic), ops.cpp (a decoder layer's elementwise steps), decoder.cpp (a whole decode step's decoder
 // stack), moe.cpp (routed experts) and bounded_head.cpp (a greedy row's candidates in the output head).
@@ -31,11 +32,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("bypass_min_rows", &KernelOptions::bypass_min_rows)
       .def_readwrite("contiguous_shares", &KernelOptions::contiguous_shares)
       .def_readwrite("fused_silu", &KernelOptions::fused_silu)
-      .def_readwrite("attention512", &KernelOptions::attention512);
+      .def_readwrite("attention512", &KernelOptions::attention512)
+      .def_readwrite("amx", &KernelOptions::amx)
+      .def_readwrite("amx_min_rows", &KernelOptions::amx_min_rows);
   m.def("kernel_options", &kernel_options, "the quantized products' options now (a copy)");
   m.def("set_kernel_options", &set_kernel_options, "set the quantized products' options; returns the previous ones");
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether this CPU has the AVX-512 VNNI path");
   m.def("cpu_has_avx512", &cpu_has_avx512, "whether this CPU has AVX-512F (attention's wide path)");
+  m.def("cpu_has_amx", &cpu_has_amx, "whether this CPU has AMX int8 tiles and the OS grants them");
   m.def("isa", &isa, "the dot-product instruction set the calls use now");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out",
         py::call_guard<py::gil_scoped_release>());

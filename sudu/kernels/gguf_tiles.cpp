@@ -44,11 +44,6 @@
 namespace qtiles {
 namespace {
 
-constexpr int blocks_per_group(int64_t f) { return f == Q5_0 ? 1 : 8; }
-constexpr int high_bits(int64_t f) { return f == Q6_K ? 2 : f == Q4_K ? 0 : 1; }
-constexpr int64_t block_bytes(int64_t f) { return 256 + 64 * high_bits(f); }
-constexpr int64_t tail_bytes(int64_t f) { return f == Q5_0 ? 32 : f == Q6_K ? 288 : 320; }
-constexpr int64_t group_bytes(int64_t f) { return blocks_per_group(f) * block_bytes(f) + tail_bytes(f); }
 
 template <int S>
 SUDU_VNNI inline __m512i shift512(__m512i v) {
@@ -98,7 +93,6 @@ SUDU_VNNI inline __m512i pairs512(const uint8_t* u, const uint8_t* v, bool is_si
 // scales that every row's offset or min term takes (pairs512: Q6_K's 8 sub-block scale pairs, Q4_K/Q5_K's
 // 4 min pairs; UNPACKED_GROUP bytes a super-block). A prompt's row chunks read them from here (L1/L2, made
 // once per tile and call) instead of assembling them again for every 8 rows.
-constexpr int64_t UNPACKED_BLOCK = 512, UNPACKED_GROUP = 512;
 template <int64_t F>
 SUDU_VNNI inline __m512i scale_pairs(const uint8_t* tail, int j) {
   if constexpr (F == Q6_K) return pairs512(tail + 32 * j, tail + 32 * j + 16, true);

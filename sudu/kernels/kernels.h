@@ -45,13 +45,20 @@ struct KernelOptions {
   bool contiguous_shares = true;   // each thread streams a contiguous share of the tiles (else a shared counter)
   bool fused_silu = true;          // qlinear_silu applies silu * up inside the call (else qlinear, then silu_mul)
   bool attention512 = false;       // attention's products on AVX-512 (only where the CPU has it), else AVX2
+  // AMX int8 tiles for calls of amx_min_rows+ rows, 16 rows at a time (amx_tiles.cpp; only where the CPU has
+  // them and the OS grants them, and with vnni, whose kernels take each call's leftover rows)
+  bool amx = false;
+  int64_t amx_min_rows = 32;
 };
 bool cpu_has_vnni();
+// Whether this CPU has AMX's int8 tiles and the OS grants them to this process (asked once).
+bool cpu_has_amx();
 bool cpu_has_avx512();
 KernelOptions kernel_options();
 // Checked (no VNNI where the CPU lacks it); returns the previous options.
 KernelOptions set_kernel_options(const KernelOptions& o);
-// "avx512vnni" or "avx2": the dot-product path the calls take now.
+// "amx" (AMX tiles from amx_min_rows rows, AVX-512 VNNI below), "avx512vnni" or "avx2": the dot-product
+// path the calls take now.
 std::string isa();
 // softmax(q k^T * scale) v over the paged KV pool, every row by one arithmetic (attention.cpp): few new tokens
 // of many sequences (decode_attention), a prompt chunk's new tokens causal from `first` and within `window`

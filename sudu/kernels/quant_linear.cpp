@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "quant_tiles.h"
 #include "simd.h"
@@ -73,14 +74,7 @@ using namespace qtiles;
 //   tile's codes streamed well below int4 tiles: docs/cpu_speed.md). vpdpbusd then sums
 //   (q + 128) * x; starting the sum at -128 * sum(x) leaves exactly sum(q * x), the integer the AVX2
 //   kernel computes.
-constexpr int64_t Q4_BLOCK_BYTES = 320, Q8_CODE_BYTES = 512, Q8_PAIR_BYTES = 1088;
-
-// A tile's bytes; where an int8 tile's block b has its codes and its 16 scales.
-inline int64_t tile_bytes_of(bool int4, int64_t nb) { return int4 ? nb * Q4_BLOCK_BYTES : (nb + 1) / 2 * Q8_PAIR_BYTES; }
-inline const uint8_t* q8_codes(const uint8_t* tp, int64_t b) { return tp + b / 2 * Q8_PAIR_BYTES + b % 2 * Q8_CODE_BYTES; }
-inline const uint8_t* q8_scales(const uint8_t* tp, int64_t b) {
-  return tp + b / 2 * Q8_PAIR_BYTES + 2 * Q8_CODE_BYTES + b % 2 * 32;
-}
+// (Q4_BLOCK_BYTES, Q8_PAIR_BYTES, q8_codes and q8_scales: quant_tiles.h)
 
 // R activation rows against `count` consecutive tiles from p; tile t's outputs go to y[i * ldy + 16 * t + l]
 // (padding rows included: the caller's buffer has room). One tile at a time keeps each thread reading one
@@ -217,6 +211,7 @@ KernelOptions default_options() {
   KernelOptions o;
   o.vnni = cpu_has_vnni();
   o.attention512 = cpu_has_avx512();
+  o.amx = cpu_has_amx();
   return o;
 }
 KernelOptions options = default_options();
@@ -304,10 +299,14 @@ void run_tiles(const Tiles& j, int64_t M, int64_t t0, int64_t t1) {
   const bool vnni = options.vnni;
   const bool bypass = vnni && M >= options.bypass_min_rows && !j.scratch;  // whole 64-byte lines per store
   const bool once = vnni && is_gguf_format(j.fmt) && M >= options.unpack_min_rows;
-  // tiles [t, t + count) against all M rows; unpacked: tile t's codes from gguf_unpack_tile (count 1)
-  auto run = [&](int64_t t, int64_t count, const uint8_t* unpacked) {
-    auto chunk = [&](auto r, int64_t m) {
+  // AMX tiles take the first M16 rows, the VNNI kernels the rest
+  const bool amx = vnni && options.amx && M >= options.amx_min_rows;
+  const int64_t M16 = amx ? M / AMX_ROWS * AMX_ROWS : 0;
+  // tiles [t, t + count) against rows [m0, M); unpacked: tile t's codes from gguf_unpack_tile (count 1)
+  auto run = [&](int64_t t, int64_t count, const uint8_t* unpacked, int64_t m0) {
+    auto chunk = [&](auto r, int64_t mr) {
       constexpr int R = decltype(r)::value;
+      const int64_t m = m0 + mr;
       const uint8_t* tp = j.p + t * j.tile_bytes;
       Acts a = j.x->at(m);
       a.stream = m == 0 && !unpacked;  // unpacking read the tile already
@@ -325,20 +324,35 @@ void run_tiles(const Tiles& j, int64_t M, int64_t t0, int64_t t1) {
       }
     };
     if (vnni)
-      row_chunks<MR_VNNI>(M, chunk);
+      row_chunks<MR_VNNI>(M - m0, chunk);
     else
-      row_chunks<MR>(M, chunk);
+      row_chunks<MR>(M - m0, chunk);
   };
   if (M <= (vnni ? MR_VNNI : MR)) {
-    run(t0, t1 - t0, nullptr);
+    run(t0, t1 - t0, nullptr, 0);
     return;
   }
   thread_local std::vector<uint8_t> unpacked;
+  if (amx) {
+    // each tile's codes as AMX operands once (GGUF: the layout the VNNI kernels read too), then its rows
+    amx_configure(j.fmt);
+    unpacked.resize(amx_operand_bytes(j.fmt, j.K));
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tp = j.p + t * j.tile_bytes;
+      amx_operands(j.fmt, tp, j.K, unpacked.data());
+      amx_dot_tile(j.fmt, tp, unpacked.data(), M16, *j.x, j.bias ? j.bias + TILE_ROWS * t : nullptr,
+                   j.y + TILE_ROWS * t, ldy, bypass);
+      if (M16 < M) run(t, 1, is_k_quant(j.fmt) ? unpacked.data() : nullptr, M16);
+    }
+    amx_release();
+    if (bypass) _mm_sfence();
+    return;
+  }
   if (once) unpacked.resize(gguf_unpacked_bytes(j.K));
   for (int64_t t = t0; t < t1; ++t) {
     // the tile's codes assembled once for all the row chunks (the same sums and float steps)
     if (once) gguf_unpack_tile(j.fmt, j.p + t * j.tile_bytes, j.K, unpacked.data());
-    run(t, 1, once ? unpacked.data() : nullptr);
+    run(t, 1, once ? unpacked.data() : nullptr, 0);
   }
   if (bypass) _mm_sfence();  // the non-temporal stores visible before the join
 }
@@ -740,8 +754,12 @@ KernelOptions kernel_options() { return options; }
 KernelOptions set_kernel_options(const KernelOptions& o) {
   TORCH_CHECK(!o.vnni || cpu_has_vnni(), "this CPU has no AVX-512 VNNI");
   TORCH_CHECK(!o.attention512 || cpu_has_avx512(), "this CPU has no AVX-512");
-  TORCH_CHECK(o.unpack_min_rows > 0 && o.bypass_min_rows > 0, "row thresholds must be positive");
+  TORCH_CHECK(!o.amx || cpu_has_amx(), "this CPU has no AMX int8 tiles, or the OS does not grant them");
+  TORCH_CHECK(o.unpack_min_rows > 0 && o.bypass_min_rows > 0 && o.amx_min_rows >= AMX_ROWS,
+              "row thresholds must be positive (amx_min_rows at least 16)");
   return std::exchange(options, o);
 }
 
-std::string isa() { return options.vnni ? "avx512vnni" : "avx2"; }
+bool cpu_has_amx() { return amx_granted(); }
+
+std::string isa() { return options.vnni ? (options.amx ? "amx" : "avx512vnni") : "avx2"; }

@@ -87,6 +87,30 @@ SUDU_VNNI inline void store_out(float* dst, __m512 v, bool bypass) {
 enum Format : int64_t { INT8 = 0, INT4 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
 inline bool is_gguf_format(int64_t f) { return f >= Q5_0 && f <= Q6_K; }
+
+// The layout of sudu's int8 and int4 tiles (quant_linear.cpp, where it is described): per 32-block, an int4
+// tile has 320 bytes (4 chunks of nibbles, then float16 scales and mins); an int8 tile has, per pair of
+// blocks, 1088 bytes (each block's 512 code bytes, then the two blocks' float16 scales).
+constexpr int64_t Q4_BLOCK_BYTES = 320, Q8_CODE_BYTES = 512, Q8_PAIR_BYTES = 1088;
+// A tile's bytes; where an int8 tile's block b has its codes and its 16 scales.
+inline int64_t tile_bytes_of(bool int4, int64_t nb) { return int4 ? nb * Q4_BLOCK_BYTES : (nb + 1) / 2 * Q8_PAIR_BYTES; }
+inline const uint8_t* q8_codes(const uint8_t* tp, int64_t b) { return tp + b / 2 * Q8_PAIR_BYTES + b % 2 * Q8_CODE_BYTES; }
+inline const uint8_t* q8_scales(const uint8_t* tp, int64_t b) {
+  return tp + b / 2 * Q8_PAIR_BYTES + 2 * Q8_CODE_BYTES + b % 2 * 32;
+}
+
+// The layout of the GGUF formats' tiles (gguf_tiles.cpp, where it is described): 32-blocks of low nibbles and
+// high bits in groups (1 block for Q5_0, a 256-column super-block of 8 for the K-quants), each group's tail
+// of scales after its blocks.
+constexpr int blocks_per_group(int64_t f) { return f == Q5_0 ? 1 : 8; }
+constexpr int high_bits(int64_t f) { return f == Q6_K ? 2 : f == Q4_K ? 0 : 1; }
+constexpr int64_t block_bytes(int64_t f) { return 256 + 64 * high_bits(f); }
+constexpr int64_t tail_bytes(int64_t f) { return f == Q5_0 ? 32 : f == Q6_K ? 288 : 320; }
+constexpr int64_t group_bytes(int64_t f) { return blocks_per_group(f) * block_bytes(f) + tail_bytes(f); }
+// gguf_unpack_tile's output: per block UNPACKED_BLOCK bytes (per chunk c of 8 columns, the 16 rows' codes of
+// columns 8c..8c+3, then of 8c+4..8c+7, 64 bytes each), then, for the K-quants, per super-block
+// UNPACKED_GROUP bytes of its scales' madd operands.
+constexpr int64_t UNPACKED_BLOCK = 512, UNPACKED_GROUP = 512;
 // The formats of 256-column super-blocks, which read the q8_K activations.
 inline bool is_k_quant(int64_t f) { return f >= Q4_K && f <= Q6_K; }
 // Bytes of one tile (16 rows) of K columns in a GGUF format; K a multiple of its group (32 or 256).

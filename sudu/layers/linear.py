@@ -14,8 +14,9 @@ covers one block of 16 rows.
 Dispatch (see benchmarks/linear_kernels.py for the figures): by default every call, whatever its number of
 activation rows M, takes the native kernel (sudu/kernels/quant_linear.cpp): activations rounded to int8 in
 blocks of 32 (llama.cpp's Q8 activations), integer dot products against the quantized weights (AVX2, or
-AVX-512 VNNI where present), each weight row read from memory once per call whatever M is. One row is bound
-by memory bandwidth; a batch of 8 costs far less than 8 rows one by one. Every row takes the same float
+AVX-512 VNNI where present; from 32 rows, AMX's int8 tiles where the OS grants them: kernels/amx_tiles.cpp,
+the same integer sums and float steps), each weight row read from memory once per call whatever M is. One row
+is bound by memory bandwidth; a batch of 8 costs far less than 8 rows one by one. Every row takes the same float
 operations at every M and on either instruction set, so results are bit for bit independent of the batch,
 of how a prompt is chunked and of what is cached (docs/exactness.md).
 With --fast-math (fast_prefill below) prompt chunks of PREFILL_MIN_ROWS+ rows instead dequantize slices of

@@ -26,14 +26,18 @@ def random_tensor(ggml_type: str, n: int, k: int, seed: int = 0, permute: bool =
 
 
 def isas() -> list[str]:
-    """The kernels' instruction sets to test here: AVX2 always, and the AVX-512 VNNI path where the CPU has it
-    (none without the kernels: their tests skip)."""
+    """The kernels' instruction sets to test here: AVX2 always, the AVX-512 VNNI path where the CPU has it, and
+    AMX's int8 tiles where the CPU has them and the OS grants them (none without the kernels: their tests
+    skip)."""
     ext = kernels.load()
     if ext is None:
         return []
-    return ["avx2", "avx512vnni"] if ext.cpu_has_vnni() else ["avx2"]
+    return ["avx2"] + (["avx512vnni"] if ext.cpu_has_vnni() else []) + (["amx"] if ext.cpu_has_amx() else [])
 
 
 def on_isa(name: str):
-    """A block run on the kernels' `name` path ("avx2" or "avx512vnni"), the CPU's best restored after it."""
-    return kernels.options(vnni=name == "avx512vnni")
+    """A block run on the kernels' `name` path ("avx2", "avx512vnni" or "amx": AMX tiles from 16 rows, the
+    VNNI kernels below), the CPU's best restored after it."""
+    if name == "amx":
+        return kernels.options(vnni=True, amx=True, amx_min_rows=16)
+    return kernels.options(vnni=name == "avx512vnni", amx=False)
