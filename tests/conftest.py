@@ -3,7 +3,15 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (pyproject's addopts: a worker per core), each worker, and every process its tests start
+# (servers, Ray), runs on cores of its own: two workers' OpenMP teams on shared cores would spin against each
+# other. The engines' default thread count follows (config.default_num_threads reads the affinity).
+_WORKER, _WORKERS = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKER and _WORKERS > 1 and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    if len(_cores) >= _WORKERS:
+        os.sched_setaffinity(0, _cores[int(_WORKER.removeprefix("gw")) % _WORKERS::_WORKERS])
+torch.set_num_threads(min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 # without a GPU, the CUDA path's Triton kernels (sudu/cuda/) run in Triton's CPU interpreter; the variable is
 # read when a kernel is defined, so it is set before anything imports them
 if not torch.cuda.is_available():

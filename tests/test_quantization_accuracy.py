@@ -63,7 +63,7 @@ def all_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 
 def make_llm(quantization: str, kv_cache_dtype: str = "auto") -> LLM:
     return LLM(MODEL, progress=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-               kv_cache_memory=128 << 20, num_threads=2)
+               kv_cache_memory=128 << 20)
 
 
 @pytest.fixture(scope="module")
