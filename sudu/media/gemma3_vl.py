@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sudu.media.image import ImageInput, MediaError
+from sudu.media.image import ImageInput, expand_placeholders
 
 log = logging.getLogger(__name__)
 
@@ -76,20 +76,5 @@ class Gemma3Processor:
                           num_tokens=self.tokens_per_image)
 
     def expand(self, token_ids: list[int], images: list[ImageInput]) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt with each image's one soft token repeated tokens_per_image times, and the images with their
-        offsets in it. The rendered prompt must hold exactly one soft token per image, in order."""
-        soft = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(soft) != len(images):
-            raise MediaError(f"the rendered prompt holds {len(soft)} image placeholders for {len(images)} images "
-                             "(the chat template or the text dropped or added one)", "placeholder_mismatch")
-        out: list[int] = []
-        placed = []
-        start = 0
-        for at, image in zip(soft, images):
-            out.extend(token_ids[start:at])
-            placed.append(ImageInput(image.content_hash, image.pixel_values, image.grid_thw, len(out),
-                                     image.num_tokens))
-            out.extend([self.image_token_id] * image.num_tokens)
-            start = at + 1
-        out.extend(token_ids[start:])
-        return out, tuple(placed)
+        """The prompt with each image's one soft token repeated for its image tokens (image.expand_placeholders)."""
+        return expand_placeholders(token_ids, images, self.image_token_id)

@@ -60,3 +60,23 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise MediaError(f"the image cannot be decoded: {exc}", "undecodable") from None
+
+
+def expand_placeholders(token_ids: list[int], images: list[ImageInput], image_token_id: int
+                        ) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """The prompt with each image's one placeholder token repeated num_tokens times, and the images with their
+    offsets in it. The rendered prompt must hold exactly one placeholder per image, in order."""
+    at = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    if len(at) != len(images):
+        raise MediaError(f"the rendered prompt holds {len(at)} image placeholders for {len(images)} images "
+                         "(the chat template or the text dropped or added one)", "placeholder_mismatch")
+    out: list[int] = []
+    placed = []
+    start = 0
+    for pos, image in zip(at, images):
+        out.extend(token_ids[start:pos])
+        placed.append(ImageInput(image.content_hash, image.pixel_values, image.grid_thw, len(out), image.num_tokens))
+        out.extend([image_token_id] * image.num_tokens)
+        start = pos + 1
+    out.extend(token_ids[start:])
+    return out, tuple(placed)

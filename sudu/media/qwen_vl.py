@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sudu.media.image import ImageInput, MediaError
+from sudu.media.image import ImageInput, MediaError, expand_placeholders
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -99,20 +99,5 @@ class QwenVLProcessor:
         return ImageInput(content_hash, torch.from_numpy(pixels), grid, num_tokens=self.num_tokens(grid))
 
     def expand(self, token_ids: list[int], images: list[ImageInput]) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt with each image's one pad token repeated num_tokens times, and the images with their
-        offsets in it. The rendered prompt must hold exactly one pad token per image, in order."""
-        pads = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(pads) != len(images):
-            raise MediaError(f"the rendered prompt holds {len(pads)} image placeholders for {len(images)} images "
-                             "(the chat template or the text dropped or added one)", "placeholder_mismatch")
-        out: list[int] = []
-        placed = []
-        start = 0
-        for pad, image in zip(pads, images):
-            out.extend(token_ids[start:pad])
-            placed.append(ImageInput(image.content_hash, image.pixel_values, image.grid_thw, len(out),
-                                     image.num_tokens))
-            out.extend([self.image_token_id] * image.num_tokens)
-            start = pad + 1
-        out.extend(token_ids[start:])
-        return out, tuple(placed)
+        """The prompt with each image's one pad token repeated for its image tokens (image.expand_placeholders)."""
+        return expand_placeholders(token_ids, images, self.image_token_id)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.tiny_models import CHAT_TEMPLATE, CORPUS
+from tests.helpers.tiny_models import build_tokenizer as byte_level_tokenizer
 
 IMAGE_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IMAGE_TOKENS]
@@ -23,18 +23,7 @@ def token_id(name: str) -> int:
 
 
 def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast = byte_level_tokenizer(SPECIAL_TOKENS)
     assert fast.convert_tokens_to_ids("<image_soft_token>") == token_id("<image_soft_token>")
     return fast
 

@@ -22,20 +22,23 @@ CORPUS = [
 VOCAB_SIZE = 384
 
 
-def build_tokenizer():
+def build_tokenizer(special_tokens: list[str] | None = None):
+    """A byte-level BPE tokenizer of VOCAB_SIZE ids trained on CORPUS, with the special tokens last (the
+    vision models' tiny tokenizers add their image tokens to SPECIAL_TOKENS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    special_tokens = SPECIAL_TOKENS if special_tokens is None else special_tokens
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
+        vocab_size=VOCAB_SIZE - len(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special_tokens)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
