@@ -15,17 +15,24 @@ import httpx
 import pytest
 
 from tests.helpers.live_server import LiveServer, assert_openai_error, sse_events
+from tests.helpers import vision_chat
+from tests.helpers.vision_chat import MAX_TOKENS, QUESTION, data_url, user_turn
 from tests.helpers.tiny_vlm import (PLACEHOLDER, build_vl_tokenizer, png_bytes, random_image, reference_greedy,
                                     reference_inputs, save_tiny_vlm, token_id)
 
-MAX_TOKENS = 8
+
+def rendered(turns):
+    return vision_chat.rendered(turns, PLACEHOLDER)
+
+
+def chat(server, messages, **extra):
+    return vision_chat.chat(server, messages, "tiny-vl", **extra)
+
+
 IMAGE = random_image(100, 70, seed=1)  # 8 image tokens
 OTHER = random_image(100, 70, seed=2)  # the same size: the same tokens, other pixels
-QUESTION = "Describe it."
 
 
-def data_url(image) -> str:
-    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +84,8 @@ def server(vlm, image_host):
         yield s
 
 
-def user_turn(*images, text=QUESTION) -> dict:
-    return {"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in images),
-                                        {"type": "text", "text": text}]}
 
 
-def rendered(turns: list[tuple[str, str, int]]) -> str:
-    """The prompt sudu renders: (role, text, images) turns, each image part a placeholder line before the text."""
-    out = ""
-    for role, text, images in turns:
-        out += f"<|im_start|>{role}\n" + "\n".join([PLACEHOLDER] * images + [text]) + "<|im_end|>\n"
-    return out + "<|im_start|>assistant\n"
 
 
 def expected(vlm, prompt: str, images) -> str:
@@ -97,10 +95,6 @@ def expected(vlm, prompt: str, images) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def chat(server, messages, **extra) -> httpx.Response:
-    body = {"model": "tiny-vl", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, **extra}
-    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
 
 
 def test_chat_image_matches_transformers_streamed_and_not(server, vlm):
