@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.tiny_gemma3_vl import (BOI, TOKENS_PER_IMAGE, build_tokenizer, image_processor, reference_greedy,
+from tests.helpers.tiny_gemma3_vl import (BOI, TOKENS_PER_IMAGE, build_tokenizer, image_processor,
                                           reference_inputs, save_tiny_gemma3_vl)
-from tests.helpers.tiny_vlm import png_bytes, random_image
+from tests.helpers.tiny_vlm import png_bytes, random_image, reference_greedy
 
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 SIZES = [(100, 70), (64, 200), (333, 251), (56, 56)]

@@ -15,9 +15,9 @@ from PIL import ImageOps
 from tests.helpers.live_server import LiveServer, assert_openai_error, sse_events
 from tests.helpers import vision_chat
 from tests.helpers.vision_chat import MAX_TOKENS, QUESTION, data_url, user_turn
-from tests.helpers.tiny_gemma3_vl import (BOI, build_tokenizer, reference_greedy, reference_inputs,
+from tests.helpers.tiny_gemma3_vl import (BOI, build_tokenizer, reference_inputs,
                                           save_tiny_gemma3_vl, token_id)
-from tests.helpers.tiny_vlm import random_image
+from tests.helpers.tiny_vlm import random_image, reference_greedy
 
 
 def rendered(turns):

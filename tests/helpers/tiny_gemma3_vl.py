@@ -157,22 +157,3 @@ def reference_inputs(tokenizer, text: str, images) -> dict:
     if images:
         inputs["pixel_values"] = image_processor()(images=list(images), return_tensors="pt")["pixel_values"]
     return inputs
-
-
-@torch.no_grad()
-def reference_greedy(model, inputs: dict, max_new_tokens: int, logprobs: list | None = None) -> list[int]:
-    """transformers' greedy tokens, each from a whole forward pass over the prompt and the tokens so far
-    (end-of-sequence ignored); logprobs, when given, gets each chosen token's log-probability."""
-    inputs = dict(inputs)
-    out = []
-    for _ in range(max_new_tokens):
-        logits = model(**inputs).logits[0, -1]
-        token = int(logits.argmax())
-        if logprobs is not None:
-            logprobs.append(float(torch.log_softmax(logits.double(), -1)[token]))
-        out.append(token)
-        grow = torch.tensor([[token]])
-        inputs["input_ids"] = torch.cat([inputs["input_ids"], grow], 1)
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros_like(grow)], 1)
-    return out

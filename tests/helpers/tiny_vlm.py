@@ -111,7 +111,8 @@ def reference_inputs(tokenizer, text: str, images: list[Image.Image]) -> dict:
 def reference_greedy(model, inputs: dict, max_new_tokens: int, logprobs: list | None = None) -> list[int]:
     """transformers' greedy tokens, each from a whole forward pass over the prompt and the tokens so far (no
     cache, end-of-sequence ignored: the same length as the engine's ignore_eos run); logprobs, when given, gets
-    each chosen token's log-probability."""
+    each chosen token's log-probability. Generated tokens are text in the type ids that mark image tokens
+    (Qwen2.5-VL's mm_token_type_ids, Gemma 3's token_type_ids)."""
     inputs = dict(inputs)
     out = []
     for _ in range(max_new_tokens):
@@ -123,5 +124,7 @@ def reference_greedy(model, inputs: dict, max_new_tokens: int, logprobs: list | 
         grow = torch.tensor([[token]])
         inputs["input_ids"] = torch.cat([inputs["input_ids"], grow], 1)
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(grow).int()], 1)
+        for key in ("mm_token_type_ids", "token_type_ids"):
+            if key in inputs:
+                inputs[key] = torch.cat([inputs[key], torch.zeros_like(grow, dtype=inputs[key].dtype)], 1)
     return out
