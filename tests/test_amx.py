@@ -13,7 +13,7 @@ from sudu.layers import fuse, gguf_native
 from sudu.layers import linear as L
 from sudu.sampling import SamplingParams
 from tests.helpers.gguf_files import write_tiny_gguf
-from tests.helpers.native_blocks import BLOCKS, random_tensor
+from tests.helpers.native_blocks import BLOCKS, random_tensor, saturated_tensor
 from tests.helpers.tiny_models import save_tiny_model
 
 ext = kernels.load()
@@ -92,14 +92,7 @@ def test_the_largest_codes_against_the_largest_activations(ggml_type):
     """Every code and sub-block scale at its largest against activations that all round to +-127: the int32
     sums furthest from zero."""
     n, k = 32, 512
-    qt = random_tensor(ggml_type, n, k)
-    per, size, f16_at = BLOCKS[ggml_type]
-    blocks = qt.blocks.reshape(n, k // per, size)
-    fields = np.zeros(size, dtype=bool)
-    for at in f16_at:
-        fields[at:at + 2] = True
-    blocks[:, :, ~fields] = 0xFF
-    layer = gguf_native.native_layer(type(qt)("w", "w", ggml_type, (n, k), blocks.reshape(n, -1)), None)
+    layer = gguf_native.native_layer(saturated_tensor(ggml_type, n, k), None)
     x = torch.ones(48, k)
     x[1::3] = -1
     x[2::3, ::2] = -1

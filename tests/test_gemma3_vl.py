@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.tiny_gemma3_vl import (BOI, TOKENS_PER_IMAGE, build_tokenizer, image_processor,
                                           reference_inputs, save_tiny_gemma3_vl)
-from tests.helpers.tiny_vlm import png_bytes, random_image, reference_greedy
+from tests.helpers.tiny_vlm import png_bytes, random_image, reference_greedy, sudu_processor
 
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 SIZES = [(100, 70), (64, 200), (333, 251), (56, 56)]
@@ -21,13 +21,6 @@ SIZES = [(100, 70), (64, 200), (333, 251), (56, 56)]
 def vlm(tmp_path_factory):
     return save_tiny_gemma3_vl(tmp_path_factory.mktemp("gemma3_vl") / "model")
 
-
-def sudu_processor(model_dir):
-    from sudu.media.processors import image_processor as sudu_image_processor
-    from sudu.weights.loader import load_checkpoint
-
-    ckpt = load_checkpoint(str(model_dir), pull=False, progress=False)
-    return ckpt, sudu_image_processor(ckpt.config, ckpt.preprocessor)
 
 
 def sudu_prompt(processor, tokenizer, text: str, images):

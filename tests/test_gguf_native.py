@@ -11,7 +11,7 @@ from sudu import kernels
 from sudu.engine import network
 from sudu.layers import fuse, gguf_native, linear
 from sudu.weights.gguf import QuantizedTensor
-from tests.helpers.native_blocks import BLOCKS, isas, on_isa, random_tensor
+from tests.helpers.native_blocks import BLOCKS, isas, on_isa, random_tensor, saturated_tensor
 
 ext = kernels.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"no native kernels: {kernels.disabled_reason() or 'compile failed'}")
@@ -93,14 +93,7 @@ def test_the_largest_codes_against_the_largest_activations_do_not_overflow(ggml_
     +127 or -127: the AVX2 kernels sum maddubs' int16 pairs over several chunks before widening them, and
     these are the sums closest to int16's limit."""
     n, k = 32, 512
-    qt = random_tensor(ggml_type, n, k)
-    per, size, f16_at = BLOCKS[ggml_type]
-    blocks = qt.blocks.reshape(n, k // per, size)
-    fields = np.zeros(size, dtype=bool)
-    for at in f16_at:
-        fields[at:at + 2] = True
-    blocks[:, :, ~fields] = 0xFF
-    qt = QuantizedTensor("w", "w", ggml_type, (n, k), blocks.reshape(n, -1))
+    qt = saturated_tensor(ggml_type, n, k)
     ref = reference_weight(qt)
     layer = gguf_native.native_layer(qt, None)
     x = torch.ones(4, k)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.tiny_vlm import (PLACEHOLDER, build_vl_tokenizer, image_processor, random_image,
-                                    reference_greedy, reference_inputs, save_tiny_vlm)
+                                    reference_greedy, reference_inputs, save_tiny_vlm, sudu_processor)
 
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 SIZES = [(100, 70), (64, 200), (333, 251), (28, 28)]
@@ -19,13 +19,6 @@ SIZES = [(100, 70), (64, 200), (333, 251), (28, 28)]
 def vlm(tmp_path_factory):
     return save_tiny_vlm(tmp_path_factory.mktemp("qwen2_5_vl") / "model")
 
-
-def sudu_processor(model_dir):
-    from sudu.weights.loader import load_checkpoint
-    from sudu.media.processors import image_processor as sudu_image_processor
-
-    ckpt = load_checkpoint(str(model_dir), pull=False, progress=False)
-    return ckpt, sudu_image_processor(ckpt.config, ckpt.preprocessor)
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -25,6 +25,20 @@ def random_tensor(ggml_type: str, n: int, k: int, seed: int = 0, permute: bool =
     return QuantizedTensor("w", "w", ggml_type, (n, k), blocks.reshape(n, -1), row_permutation=perm)
 
 
+def saturated_tensor(ggml_type: str, n: int, k: int) -> QuantizedTensor:
+    """A tensor whose codes and sub-block scales are all at their largest (every bit set; the float16 scales
+    kept from random_tensor): against activations that round to +-127 its products give the integer sums
+    furthest from zero."""
+    qt = random_tensor(ggml_type, n, k)
+    per, size, f16_at = BLOCKS[ggml_type]
+    blocks = qt.blocks.reshape(n, k // per, size)
+    fields = np.zeros(size, dtype=bool)
+    for at in f16_at:
+        fields[at:at + 2] = True
+    blocks[:, :, ~fields] = 0xFF
+    return QuantizedTensor("w", "w", ggml_type, (n, k), blocks.reshape(n, -1))
+
+
 def isas() -> list[str]:
     """The kernels' instruction sets to test here: AVX2 always, the AVX-512 VNNI path where the CPU has it, and
     AMX's int8 tiles where the CPU has them and the OS grants them (none without the kernels: their tests

@@ -128,3 +128,12 @@ def reference_greedy(model, inputs: dict, max_new_tokens: int, logprobs: list | 
             if key in inputs:
                 inputs[key] = torch.cat([inputs[key], torch.zeros_like(grow, dtype=inputs[key].dtype)], 1)
     return out
+
+
+def sudu_processor(model_dir):
+    """sudu's checkpoint of a saved tiny vision model and its image processor (media/processors.py)."""
+    from sudu.media.processors import image_processor
+    from sudu.weights.loader import load_checkpoint
+
+    ckpt = load_checkpoint(str(model_dir), pull=False, progress=False)
+    return ckpt, image_processor(ckpt.config, ckpt.preprocessor)
