@@ -9,7 +9,9 @@ speed-neutral?
   reversed every round; the median of the per-round ratios.
 
 Each server runs from its own tree (PYTHONPATH) with its own $SUDU_HOME (its native kernels built from its
-own sources), models shared. Prints each part's ratio this / base with its spread.
+own sources), models shared. Prints each part's ratio this / base with its spread. This side runs with
+admission by predicted wait off (`--max-queue-wait 0`), so both serve every stream; a run in which any stream
+fails stops with the error instead of a speed.
 
     git worktree add /tmp/base 64f48cc
     python benchmarks/vs_commit.py --base /tmp/base --base-home /tmp/home-base [--model M] [--threads 2]
@@ -62,8 +64,11 @@ def throughput(url: str, model: str, out: str, max_tokens: int, streams: int) ->
                     str(streams), "--output-len", str(max_tokens), "--input-words", "128", "--ignore-eos", "--no-html",
                     "--no-progress", "--warmup", "2", "--url", url, "--model", model, "--out", out],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE)
-    report = compare.load(sorted(glob.glob(os.path.join(out, "*.json")))[-1])
-    return report["groups"][0]["throughput"]["mean_tok_s"]
+    group = compare.load(sorted(glob.glob(os.path.join(out, "*.json")))[-1])["groups"][0]
+    if group["n_ok"] != group["n_requests"]:  # a speed over the answered part of the load would flatter neither side
+        sys.exit(f"vs_commit: {group['n_requests'] - group['n_ok']} of {group['n_requests']} streams failed at {url} "
+                 f"(first: {(group['errors'] or ['?'])[0][:200]}); see {out}")
+    return group["throughput"]["mean_tok_s"]
 
 
 def main() -> None:
@@ -84,7 +89,9 @@ def main() -> None:
         sys.exit(f"vs_commit: {args.base} is not a sudu checkout")
     out = args.out or tempfile.mkdtemp(prefix="vs-commit-")
     os.makedirs(out, exist_ok=True)
-    sides = {"sudu": server(HERE, None, args.model, args.threads, 32, args.this_args),
+    # admission by predicted wait off on this side: the base may have none, and 32 streams sent at once are over
+    # the default --max-queue-wait, so some would be refused and the two sides would not serve the same load
+    sides = {"sudu": server(HERE, None, args.model, args.threads, 32, "--max-queue-wait 0 " + args.this_args),
              "base": server(os.path.abspath(args.base), args.base_home, args.model, args.threads, 32)}
     procs, urls = [], {}
     try:
