@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import secrets
 import subprocess
 import tempfile
@@ -276,7 +277,7 @@ def _drift(samples: list[tuple[float, int]], settle_s: float, name: str) -> dict
 
 
 ADMISSION_GAUGES = ("calibration", "show_rate", "promises_kept", "promises_expired", "prefill_seconds_per_token",
-                    "decode_step_seconds")
+                    "decode_step_seconds", "turn_seconds")
 
 
 def admission_state(url: str) -> dict:
@@ -288,6 +289,12 @@ def admission_state(url: str) -> dict:
             if line.startswith(f"sudu:admission_{name} "):
                 found[name] = round(float(line.split()[1]), 4)
     return found
+
+
+def refused_queue_s(detail: str) -> float | None:
+    """The predicted queue seconds a 429's message gives (sudu's admission), or None."""
+    match = re.search(r"wait behind other requests is ([0-9.]+) s", detail)
+    return float(match.group(1)) if match else None
 
 
 def summarize(result: RunResult, offered_per_s: float, capacity_per_s: float, max_queue_wait_s: float = 0.0,
@@ -307,6 +314,12 @@ def summarize(result: RunResult, offered_per_s: float, capacity_per_s: float, ma
     }
     if retried:
         summary["retry_admitted_share"] = round(summary["retries_admitted"] / len(retried), 3)
+        # why returning clients were refused again: the server's predicted queue at their return (its 429
+        # message gives it) against the limit a returning request is held to; near misses and far misses
+        # call for different fixes
+        again = [q for q in (refused_queue_s(o.detail) for o in retried if o.kind == "rejected") if q is not None]
+        if again:
+            summary.update(_percentiles(again, "retry_refused_queue"), retry_refused_queue_min_s=min(again))
     if ttfts:
         p50, p90, p99 = np.percentile(ttfts, [50, 90, 99])
         summary.update(ttft_p50_s=round(float(p50), 3), ttft_p90_s=round(float(p90), 3),

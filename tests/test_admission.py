@@ -4,6 +4,7 @@ decision and its Retry-After, the measured speed, priority with the continuing-s
 (nothing starves), preemption staying exact under that order, and the 429 a client sees."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -72,13 +73,14 @@ def test_decision_and_retry_after():
     assert admitted.admitted and admitted.wait_s == pytest.approx(3.5) and raw == pytest.approx(3.5)
     assert admitted.queue_s == pytest.approx(3.0)
     refused, _ = predict_wait(LOAD, new_request(), 2, rates(), 1.5, now=1.0, aging_s=AGING_S)
-    # the queue ahead drains for 3.0 - 1.5 s before a request like it would be predicted within the limit
-    assert not refused.admitted and refused.retry_after_s == 2
+    # told to come back when the 3.0 s queue ahead has drained (its turn), not at the limit's edge (1.5 s
+    # sooner), so that a prediction that errs early still finds it within the limit
+    assert not refused.admitted and refused.retry_after_s == 3
     calibrated = rates()
     calibrated.calibration = 2.0  # requests have been waiting twice what the model said
     refused, _ = predict_wait(LOAD, new_request(), 2, calibrated, 4.0, now=1.0, aging_s=AGING_S)
     assert refused.wait_s == pytest.approx(7.0) and refused.queue_s == pytest.approx(6.0)
-    assert refused.retry_after_s == 2
+    assert refused.retry_after_s == 6
     alone, _ = predict_wait(EngineLoad(), new_request(), 2, calibrated, 0.5, now=1.0, aging_s=AGING_S)
     assert alone.admitted and alone.wait_s == pytest.approx(1.0)  # a long prompt on an idle engine: admitted
     unlimited, _ = predict_wait(LOAD, new_request(), 2, calibrated, 0.0, now=1.0, aging_s=AGING_S)
@@ -131,6 +133,26 @@ def test_calibration_is_the_90th_percentile_of_the_last_64_ratios():
     assert r.calibration == pytest.approx(1.5)
 
 
+def test_turn_pace_is_measured_only_at_capacity():
+    """The seconds per first token, measured while the engine is full: a long queue's pace."""
+    model = WaitModel(max_num_seqs=2, aging_s=AGING_S)
+
+    class Queue:  # what on_step reads of the scheduler
+        def __init__(self, running: int, waiting: int):
+            self.running, self.waiting = [object()] * running, [object()] * waiting
+
+    model.on_first_token("x", now=0.0)  # a first token while the engine has room: not the queue's pace
+    model.on_step(Queue(running=1, waiting=0), num_decodes=1, num_prefill_tokens=0, seconds=0.4)
+    assert model.rates.turn_s is None
+    for _ in range(10):  # full: a first token every second step of 0.2 s (requests waiting, then every slot taken)
+        model.on_step(Queue(running=2, waiting=1), num_decodes=2, num_prefill_tokens=0, seconds=0.2)
+        model.on_first_token("y", now=0.0)
+        model.on_step(Queue(running=2, waiting=0), num_decodes=2, num_prefill_tokens=0, seconds=0.2)
+    assert model.rates.turn_s == pytest.approx(0.4, rel=0.01)
+    model.on_step(Queue(running=1, waiting=0), num_decodes=1, num_prefill_tokens=0, seconds=5.0)  # room again
+    assert model.rates.turn_s == pytest.approx(0.4, rel=0.01)
+
+
 def test_promises_count_ahead_in_the_share_that_clients_come_back():
     book = PromiseBook(grace_s=2.0)
     load = SeqLoad(100, 16)
@@ -149,7 +171,16 @@ def test_promises_count_ahead_in_the_share_that_clients_come_back():
     assert len(book) == 0 and book.show_rate < 0.01
     book.keep(99, Promise(due=101.0, arrival=0.0, loads=(load,)))
     assert book.ahead(now=100.0, horizon_s=5.0) == ()
-    assert book.last_due() == 101.0 and PromiseBook(grace_s=1.0).last_due() == 0.0
+    # the promised turns are a virtual queue: the drain estimate decides while it is later than the latest
+    # standing turn plus this request's share of the engine, and never pulls a turn ahead of one promised before
+    book = PromiseBook(grace_s=1.0)
+    assert book.next_turn(now=100.0, drain_s=20.0, step_s=0.5) == 120.0  # nothing promised
+    book.keep(1, Promise(due=120.0, arrival=100.0, loads=(load,), turn=120.0))
+    assert book.next_turn(now=101.0, drain_s=12.0, step_s=0.5) == 120.5  # the estimate dipped: no crowd at 113
+    book.keep(2, Promise(due=121.0, arrival=101.0, loads=(load,), turn=120.5))
+    assert book.next_turn(now=102.0, drain_s=30.0, step_s=0.5) == 132.0  # it rose: later, never earlier
+    book.redeem(1), book.redeem(2)  # both came back: nothing stands ahead of the next refusal but its drain
+    assert book.next_turn(now=103.0, drain_s=2.0, step_s=0.5) == 105.0
 
 
 # ---------------------------------------------------------------- the scheduler's order
@@ -242,7 +273,7 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
     with LiveServer(build_app(engine)) as live:
         # measured at 0.1 s per prompt token, with one admitted 31-token prompt ahead (not sent on: it
         # stays "in transit"): 3.1 s behind it, over the 1 s limit, first token at 6.2 s; the queue ahead
-        # drains below the limit in 2.1 s
+        # drains in 3.1 s
         measured.prefill_s_per_token, measured.decode_step_s = 0.1, 0.01
         blocker = engine.check_request([300 + i for i in range(31)], SamplingParams(max_tokens=4))
         assert engine.try_admit("blocker", blocker).admitted  # alone: its own prompt is no reason to refuse
@@ -251,7 +282,7 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         error = assert_openai_error(r, 429)
         assert error["type"] == "rate_limit_error" and error["code"] == "server_overloaded"
         assert "3.1 s" in error["message"] and "6.2 s" in error["message"]
-        assert r.headers["retry-after"] == "3"
+        assert r.headers["retry-after"] == "4"
         # measured faster: 31 x 0.001 s, admitted and answered
         measured.prefill_s_per_token = 0.001
         r = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
@@ -268,7 +299,7 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         first = engine.try_admit("first", fresh)
         assert first.admitted and first.wait_s == pytest.approx(1.24)
         second = engine.try_admit("second", fresh)
-        assert not second.admitted and second.wait_s == pytest.approx(1.86) and second.retry_after_s == 1
+        assert not second.admitted and second.wait_s == pytest.approx(1.86) and second.retry_after_s == 2
         # a later, different request is refused too...
         other = engine.check_request([200 + i for i in range(31)], SamplingParams(max_tokens=4))
         assert not engine.try_admit("third", other).admitted
@@ -276,8 +307,14 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         # 0.93 s behind two prompts (admitted), where the later one waits behind three
         measured.prefill_s_per_token = 0.015
         assert engine.try_admit("second-again", fresh).admitted
-        # the later one, back after its own Retry-After, waits 1.395 s: over the 1 s limit a new arrival is
-        # held to, within the 1.5x a returning one is (a near miss of its Retry-After does not refuse it twice)
+        # the later one, back before its turn, is judged like any arrival (from its first arrival): 1.395 s,
+        # over the 1 s limit, refused again...
+        early = engine.try_admit("third-early", other)
+        assert not early.admitted and early.queue_s == pytest.approx(1.395)
+        # ...and back once its turn has come, the promise is kept whatever the model now says
+        book = engine._promises
+        (key, promise), = book._promises.items()
+        book.keep(key, dataclasses.replace(promise, turn=time.perf_counter()))
         third_again = engine.try_admit("third-again", other)
         assert third_again.admitted and third_again.queue_s == pytest.approx(1.395)
         assert engine.stats()["admission_promised"] == 0
@@ -301,8 +338,9 @@ def test_prompts_beside_decoders_are_predicted_at_the_chunk_allowance():
 
 def test_promises_neither_idle_the_engine_nor_shorten_a_retry(tiny_model_dirs):
     """Promised work counts ahead of a new arrival, but a request that would start at once on the engine's
-    real queue is admitted anyway; and a refusal's Retry-After counts every earlier promise, due soon or not
-    (a virtual queue), where admission counts only those due within the limit."""
+    real queue is admitted anyway; and a refusal's Retry-After is its turn after every earlier promise's, due
+    soon or not (a virtual queue, spaced by each request's share of the engine), where admission counts only
+    the promises due within the limit."""
     import time
 
     from sudu.config import EngineConfig
@@ -316,8 +354,10 @@ def test_promises_neither_idle_the_engine_nor_shorten_a_retry(tiny_model_dirs):
     book = engine._promises
     book.show_rate = 1.0  # clients that always come back: every promise counts
     now = time.perf_counter()
-    book.keep(1, Promise(due=now + 0.5, arrival=now - 1.0, loads=(SeqLoad(200, 4, arrival_time=now - 1.0),)))
-    book.keep(2, Promise(due=now + 5.0, arrival=now - 1.0, loads=(SeqLoad(500, 4, arrival_time=now - 1.0),)))
+    book.keep(1, Promise(due=now + 0.5, arrival=now - 1.0, loads=(SeqLoad(200, 4, arrival_time=now - 1.0),),
+                         turn=now + 0.5))
+    book.keep(2, Promise(due=now + 5.0, arrival=now - 1.0, loads=(SeqLoad(500, 4, arrival_time=now - 1.0),),
+                         turn=now + 5.0))
 
     def request(first: int):
         return engine.check_request([first + i for i in range(31)], SamplingParams(max_tokens=4))
@@ -326,16 +366,14 @@ def test_promises_neither_idle_the_engine_nor_shorten_a_retry(tiny_model_dirs):
     # only idle the engine
     assert engine.try_admit("a", request(100)).admitted
     # now a prompt is in transit ahead: 2.31 s behind the promise due soon and it, refused; told to come back
-    # after the far promise's 500 tokens too: ceil((200 + 500 + 31) x 0.01 - 1.0) = 7 s
+    # at its turn after the far promise's (5.0 s), by its own share of the engine: before the engine has run
+    # at capacity, the model's cost of one more like it (31 tokens at 0.01 s): ceil(5.31) = 6 s
     refused = engine.try_admit("b", request(200))
     assert not refused.admitted and refused.queue_s == pytest.approx(2.31)
-    assert refused.retry_after_s == 7
-    # measured waits have run at twice the model's prediction on average: the backlog (now also b's 31 tokens)
-    # drains in twice its predicted time: ceil((31 + 200 + 500 + 31) x 0.01 x 2 - 1.0) = 15 s
-    rates.mean_ratio = 2.0
-    assert engine.try_admit("d", request(250)).retry_after_s == 15
-    rates.mean_ratio = 1.0
-    # clients come back in the order they were refused: a promise is due no sooner than the last one made,
-    # whatever its own queue says
-    book.keep(3, Promise(due=now + 60.0, arrival=now - 1.0, loads=(SeqLoad(1, 1, arrival_time=now - 1.0),)))
-    assert engine.try_admit("c", request(300)).retry_after_s == 60
+    assert refused.retry_after_s == 6
+    # measured at capacity, the engine starts a request every 0.81 s: each later refusal's turn comes that
+    # pace / PROMISED_UTILIZATION (0.9 s) after the one before, however short its own queue: 5.31 + 0.9 = 6.21
+    # s, then 7.11 s
+    rates.turn_s = 0.81
+    assert engine.try_admit("d", request(250)).retry_after_s == 7
+    assert engine.try_admit("c", request(300)).retry_after_s == 8

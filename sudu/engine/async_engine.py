@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 
 TRANSIT_EXPIRY_S = 30.0  # an admitted request whose generate never came stops counting after this
 PROMISE_GRACE_S = 5.0  # a refused request's place is kept this long after its Retry-After has passed
-# a request back after its Retry-After is held to this much more than --max-queue-wait: its Retry-After was a
-# prediction too, and being refused twice for a near miss would break the promise for little gain
-PROMISE_SLACK = 1.5
+# promised turns fill this share of the engine's measured pace: a queue served at exactly its capacity has no
+# room for the spread of service times and its wait grows without bound (a random walk); the rest of the
+# capacity goes to new arrivals admitted into the gaps
+PROMISED_UTILIZATION = 0.9
 
 
 @dataclass
@@ -166,7 +167,7 @@ class AsyncLLMEngine:
             transit = tuple(s for _, loads in self._in_transit.values() for s in loads)
             base = self._load
 
-            limit = self.config.max_queue_wait * (PROMISE_SLACK if promise is not None else 1.0)
+            limit = self.config.max_queue_wait
 
             def predict(promised: tuple[SeqLoad, ...]) -> WaitPrediction:
                 load = EngineLoad(base.running, base.waiting + transit + promised)
@@ -182,24 +183,34 @@ class AsyncLLMEngine:
                 now_alone = predict(())
                 if now_alone.queue_s == 0.0:
                     prediction = now_alone
+            if not prediction.admitted and promise is not None and now >= promise.turn:
+                # a promise is kept: a client back at its turn is admitted whatever the model now says. Its turn
+                # was placed after every earlier promise at the engine's measured pace, so the queue ahead of
+                # it is what the promise allowed for; refusing it again would make its Retry-After a lie
+                prediction = dataclasses.replace(prediction, admitted=True, retry_after_s=0.0)
             loads = (new,) * request.params.n
             if prediction.admitted:
                 self._in_transit[request_id] = (now, loads)
                 if promise is not None:
                     self._arrival_of[request_id] = arrival
             elif prediction.wait_s is not None:
-                # told to come back: every promise made before is ahead of it by then (a virtual queue), so
-                # its Retry-After is when that backlog too will have been worked off. The backlog's drain is
-                # priced at the mean of measured actual / predicted waits, not at their tail: a whole queue of
-                # clients told the tail would come back after the engine had long gone idle, and told the
-                # model's bare rate (a mean ratio above 1 under load) they come back before their turn
+                # told to come back at its turn in a virtual queue of the promises (promises.py): after the
+                # engine's own queue has drained, and after the latest turn still promised by its share of
+                # the engine. That share is measured: the seconds per first token while the engine runs at
+                # capacity (over a long queue of requests like the recent ones, a per-request model's errors
+                # add up; the measured pace does not), stretched to PROMISED_UTILIZATION. Until measured, the model's cost of one more request
+                # like it. Predictions come at the tail's calibration; a drain is priced at the mean ratio
                 rates = self.engine.wait_model.rates
-                backlog = predict(self._promises.ahead(now, math.inf))
-                drain = backlog.queue_s / rates.calibration * rates.mean_ratio
-                retry = max(prediction.retry_after_s, math.ceil(drain - limit),
-                            math.ceil(self._promises.last_due() - now))
-                prediction = dataclasses.replace(prediction, retry_after_s=retry)
-                self._promises.keep(key, Promise(now + prediction.retry_after_s, arrival, loads))
+                scale = rates.mean_ratio / rates.calibration
+                own_queue = predict(())
+                if rates.turn_s is not None:
+                    step = rates.turn_s * request.params.n / PROMISED_UTILIZATION
+                else:
+                    one_more = dataclasses.replace(new, tiebreak=new.tiebreak - 1)  # queued just ahead of it
+                    step = max(predict((one_more,) * request.params.n).queue_s - own_queue.queue_s, 0.0) * scale
+                turn = self._promises.next_turn(now, own_queue.queue_s * scale, step)
+                prediction = dataclasses.replace(prediction, retry_after_s=max(1, math.ceil(turn - now)))
+                self._promises.keep(key, Promise(now + prediction.retry_after_s, arrival, loads, turn))
         return prediction
 
     async def generate(self, request_id: str, request: CheckedRequest, priority: int = 0
@@ -256,6 +267,7 @@ class AsyncLLMEngine:
             "admission_show_rate": show_rate,
             "admission_prefill_s_per_token": rates.prefill_s_per_token or 0.0,
             "admission_decode_step_s": rates.decode_step_s or 0.0,
+            "admission_turn_s": rates.turn_s or 0.0,
             "admission_calibration": rates.calibration,
             "memory_kv_resident_bytes": kv_resident_bytes(self.engine),
         }

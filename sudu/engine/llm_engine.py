@@ -344,7 +344,7 @@ class LLMEngine:
                     self._guarded(seq, touched, lambda seq=seq: self._append_forced(seq), now)
         elapsed = time.perf_counter() - batch.started_at
         self.scheduler.chunk_budget.observe(batch.num_decodes, batch.num_prefill_tokens, elapsed)
-        self.wait_model.rates.observe_step(batch.num_decodes, batch.num_prefill_tokens, elapsed)
+        self.wait_model.on_step(self.scheduler, batch.num_decodes, batch.num_prefill_tokens, elapsed)
         if self.speculator is not None and batch.num_decodes and not batch.num_prefill_tokens:
             self.speculator.step_done(sum(s.num_new_tokens for s in batch.scheduled), elapsed)
 

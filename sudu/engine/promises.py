@@ -14,6 +14,7 @@ after a few expiries.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sudu.engine.wait_predictor import SeqLoad
@@ -27,6 +28,7 @@ class Promise:
     due: float  # when the client was told to come back
     arrival: float  # its first arrival: where it is queued from when it returns
     loads: tuple[SeqLoad, ...]
+    turn: float = 0.0  # its place in the virtual queue (next_turn); due is this rounded up to whole seconds
 
 
 class PromiseBook:
@@ -64,10 +66,14 @@ class PromiseBook:
     def keep(self, key: int, promise: Promise) -> None:
         self._promises[key] = promise
 
-    def last_due(self) -> float:
-        """The latest due time promised (0 when none): a later promise is due no sooner, so the clients come
-        back in the order they were refused and none finds an earlier-refused one still to come ahead of it."""
-        return max((p.due for p in self._promises.values()), default=0.0)
+    def next_turn(self, now: float, drain_s: float, step_s: float) -> float:
+        """The turn to promise a request refused now: when the queue ahead of it (the engine's and every
+        standing promise's work) is predicted to have drained, and no sooner than `step_s` (its own share of
+        the engine's time) after the latest turn still promised. The turns are a virtual queue: they come in
+        the order of the refusals, spaced at the rate the engine serves, so returning clients never come back
+        in a crowd when the drain estimate dips; when it rises, the queue moves later, never earlier."""
+        latest = max((p.turn for p in self._promises.values()), default=-math.inf)
+        return max(now + drain_s, latest + step_s)
 
     def ahead(self, now: float, horizon_s: float) -> tuple[SeqLoad, ...]:
         """The promised loads to count in the queue now: those due within horizon_s, earliest due first, in

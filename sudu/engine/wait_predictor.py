@@ -48,6 +48,9 @@ MIN_CALIBRATION_WAIT_S = 0.05  # waits shorter than this are noise against the s
 # decode step is mostly the step's own noise and a new sequence's fixed costs, which divided by a few tokens
 # would read as a rate tens of times the real one
 MIN_PREFILL_TOKENS_OBSERVED = 32
+# the measured turn rate (first tokens per second while the engine is at capacity) forgets with this time
+# constant: long enough to average over many steps' bursts, short enough to follow a change of load
+TURN_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,10 @@ class ServiceRates:
         # how much slower prompt tokens and decode steps go while the two share steps (WaitModel sets them
         # from the scheduler's chunk allowance, --max-itl-factor); 1: as fast as alone
         self.mixed_prefill_factor = self.mixed_decode_factor = 1.0
+        # seconds per turn (a request's first token) while the engine is at capacity: what a long queue of
+        # requests like the recent ones takes per request, measured rather than modelled; None until seen
+        self.turn_s: float | None = None
+        self._busy_s = self._turns = 0.0
 
     def expected_remaining(self, load: "SeqLoad") -> float:
         """Tokens a sequence will still generate: its max_tokens left, at most what sequences have been
@@ -144,6 +151,17 @@ class ServiceRates:
         self._prefill_s = keep * self._prefill_s + extra
         self._prefill_tokens = keep * self._prefill_tokens + num_prefill_tokens
         self.prefill_s_per_token = self._prefill_s / self._prefill_tokens
+
+    def observe_turns(self, first_tokens: int, seconds: float, at_capacity: bool) -> None:
+        """A step's first tokens and wall time; counted only while the engine is at capacity (every slot
+        taken or requests waiting), where the pace of first tokens is the pace of the queue."""
+        if not at_capacity:
+            return
+        keep = math.exp(-seconds / TURN_WINDOW_S)
+        self._busy_s = keep * self._busy_s + seconds
+        self._turns = keep * self._turns + first_tokens
+        if self._turns >= 1.0:
+            self.turn_s = self._busy_s / self._turns
 
     def observe_wait(self, predicted_raw_s: float, actual_s: float) -> None:
         """A request's first token came actual_s after it arrived; the uncalibrated model had said
@@ -200,9 +218,12 @@ def predict_wait(load: EngineLoad, new: SeqLoad, max_num_seqs: int, rates: Servi
     # refusing it for that would help no one (a long prompt on an idle engine is admitted)
     queue = max(raw - own, 0.0) * calibration
     admitted = max_queue_wait_s == 0 or queue <= max_queue_wait_s
-    # the queue ahead drains at the rate it is served: a request like this one arriving queue - limit
-    # seconds from now (and nothing new ahead of it meanwhile) would be predicted within the limit
-    retry = 0.0 if admitted else max(1.0, math.ceil(queue - max_queue_wait_s))
+    # told to come back when the queue ahead is predicted to have drained (its turn), not when the queue
+    # would just fit the limit: a prediction made many seconds ahead errs both ways, and coming back a few
+    # seconds early then still finds a queue within the limit, where aiming at the limit's edge would be
+    # refused again for any early error. Coming back late costs the engine nothing under overload: newer
+    # requests are admitted into the gap
+    retry = 0.0 if admitted else max(1.0, math.ceil(queue))
     return WaitPrediction(wait, admitted, retry, new.prefill_tokens, num_ahead, max_queue_wait_s, queue), raw
 
 
@@ -240,6 +261,7 @@ class WaitModel:
             self.rates.mixed_decode_factor = itl_factor
         # request id -> (its uncalibrated prediction at add, when it was added)
         self._predicted_raw_s: dict[str, tuple[float, float]] = {}
+        self._first_tokens = 0  # in the current step
 
     def on_add(self, request_id: str, scheduler, seq, arrived: float) -> None:
         """Called after the request's sequences were queued (seq: its first); arrived: when the request
@@ -253,7 +275,15 @@ class WaitModel:
         raw = raw_wait_s(load, seq_load(seq), self.max_num_seqs, self.rates, now, self.aging_s)[0]
         self._predicted_raw_s[request_id] = (raw, min(arrived, now))
 
+    def on_step(self, scheduler, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        """After each step: its speed, and its first tokens against its time if the engine is at capacity."""
+        self.rates.observe_step(num_decodes, num_prefill_tokens, seconds)
+        at_capacity = bool(scheduler.waiting) or len(scheduler.running) >= self.max_num_seqs
+        self.rates.observe_turns(self._first_tokens, seconds, at_capacity)
+        self._first_tokens = 0
+
     def on_first_token(self, request_id: str, now: float) -> None:
+        self._first_tokens += 1
         entry = self._predicted_raw_s.pop(request_id, None)
         if entry is not None:
             self.rates.observe_wait(entry[0], now - entry[1])

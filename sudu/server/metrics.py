@@ -45,6 +45,9 @@ class _EngineStatsCollector(Collector):
              "Measured seconds per prompt token (moving average; 0 until measured)."),
             ("sudu:admission_decode_step_seconds", "admission_decode_step_s",
              "Measured seconds per decode step (moving average; 0 until measured)."),
+            ("sudu:admission_turn_seconds", "admission_turn_s",
+             "Measured seconds per first token while the engine runs at capacity: the pace of the promised turns "
+             "(moving average; 0 until measured)."),
             ("sudu:admission_calibration", "admission_calibration",
              "The 90th percentile of recent requests' actual over predicted wait (predictions are scaled by it)."),
             ("sudu:admission_promises_kept", "admission_promises_kept",
