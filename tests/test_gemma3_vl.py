@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.tiny_gemma3_vl import (BOI, TOKENS_PER_IMAGE, build_tokenizer, image_processor,
                                           reference_inputs, save_tiny_gemma3_vl)
-from tests.helpers.tiny_vlm import png_bytes, random_image, reference_greedy, sudu_processor
+from tests.helpers.tiny_vlm import png_bytes, random_image, reference_greedy, step_requests, sudu_processor
 
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 SIZES = [(100, 70), (64, 200), (333, 251), (56, 56)]
@@ -317,3 +317,41 @@ def test_mmproj_needs_a_gemma3_language_model(tmp_path):
     write_tiny_gguf(tmp_path / "qwen.gguf", "qwen2")
     with pytest.raises(SuduError, match="not a llama.cpp mmproj"):
         load_checkpoint(str(tmp_path / "qwen.gguf"), pull=False, progress=False, mmproj=str(tmp_path / "qwen.gguf"))
+
+
+def test_images_encoded_between_decode_steps_leave_both_answers_unchanged(vlm, monkeypatch):
+    """Two images arriving while another request decodes, encoded one tower layer per step (2 layers each, then
+    the projector): the prompt's text before the first image runs meanwhile, each image is computed whole once
+    it is ready, and both answers' tokens and logprobs are the bits each request gives alone (int8 weights)."""
+    import sudu.engine.vision_inputs as vision_inputs
+    from sudu.config import EngineConfig
+    from sudu.engine.llm_engine import LLMEngine
+    from sudu.sampling import SamplingParams
+
+    config = EngineConfig(model=str(vlm[0]), max_model_len=1024, kv_cache_memory=8 << 20, quantization="int8",
+                          kv_cache_dtype="float32", speculative="none", encoder_cache_memory=0)
+    first = LLMEngine(config, progress=False)
+    images = [random_image(*SIZES[i + 1], seed=30 + i) for i in range(2)]
+    image_ids, placed = sudu_prompt(first.image_processor, first.tokenizer, PROMPT.format(images=BOI * 2), images)
+    text_ids = first.tokenizer.encode(PROMPT.format(images="Say something long. "), add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    text_alone = step_requests(first, [("text", text_ids, (), params, 0)])
+    image_alone = step_requests(LLMEngine(config, progress=False), [("image", image_ids, placed, params, 0)])
+
+    monkeypatch.setattr(vision_inputs, "encode_allowance", lambda scheduler: 0.0)  # one layer per step
+    together = LLMEngine(config, progress=False)
+    computed = []  # the image request's computed prompt tokens after each step
+
+    def on_step(engine, step):
+        state = engine.requests.get("image")
+        computed.append(state.seqs[0].num_computed_tokens if state is not None else None)
+
+    outputs, logprobs = step_requests(together, [("text", text_ids, (), params, 0),
+                                                ("image", image_ids, placed, params, 3)], on_step)
+    assert (outputs["text"], logprobs["text"]) == (text_alone[0]["text"], text_alone[1]["text"])
+    assert (outputs["image"], logprobs["image"]) == (image_alone[0]["image"], image_alone[1]["image"])
+    # first the text before the first image while its first layer runs, nothing more while its second does,
+    # then the first image whole once its projector has run (never a part of it) while the second is encoded
+    assert computed[3] == computed[4] == placed[0].offset
+    assert computed[5] >= placed[0].offset + placed[0].num_tokens
+    assert together.runner.vision.encoder.stages_run == 4  # both towers' layers ran in jobs, one per step

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.tiny_vlm import (PLACEHOLDER, build_vl_tokenizer, image_processor, random_image,
-                                    reference_greedy, reference_inputs, save_tiny_vlm, sudu_processor)
+                                    reference_greedy, reference_inputs, save_tiny_vlm, step_requests,
+                                    sudu_processor)
 
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 SIZES = [(100, 70), (64, 200), (333, 251), (28, 28)]
@@ -132,7 +133,7 @@ def test_int8_quantizes_the_vision_tower_too(vlm):
     assert len(answers[0]) == 12 and answers[0] != answers[1]
 
 
-def run_engine(engine, rid: str, ids, placed) -> tuple[list[int], int, int]:
+def run_requests(engine, rid: str, ids, placed) -> tuple[list[int], int, int]:
     """(greedy tokens, cached prompt tokens, of those from disk) of one request run to its end."""
     from sudu.sampling import SamplingParams
 
@@ -162,17 +163,86 @@ def test_disk_tier_serves_a_repeated_image_and_never_another(vlm, tmp_path):
     ids, placed = sudu_prompt(first.image_processor, first.tokenizer, text, [random_image(100, 70, seed=1)])
     other_ids, other = sudu_prompt(first.image_processor, first.tokenizer, text, [random_image(100, 70, seed=2)])
     assert other_ids == ids  # the same tokens: only the image's hash tells the prompts apart
-    cold, _, _ = run_engine(first, "cold", ids, placed)
-    other_cold, _, _ = run_engine(first, "other-cold", other_ids, other)
+    cold, _, _ = run_requests(first, "cold", ids, placed)
+    other_cold, _, _ = run_requests(first, "other-cold", other_ids, other)
     first.close()
     restarted = engine()
     image_end = placed[0].offset + placed[0].num_tokens
-    tokens, cached, disk = run_engine(restarted, "warm", ids, placed)
+    tokens, cached, disk = run_requests(restarted, "warm", ids, placed)
     assert tokens == cold and disk == cached >= image_end
     # the other image's blocks are on disk too (it ran above); a third image finds none of them
     third_ids, third = sudu_prompt(restarted.image_processor, restarted.tokenizer, text,
                                    [random_image(100, 70, seed=3)])
-    _, cached, _ = run_engine(restarted, "third", third_ids, third)
+    _, cached, _ = run_requests(restarted, "third", third_ids, third)
     assert cached <= placed[0].offset
-    tokens, cached, _ = run_engine(restarted, "other-warm", other_ids, other)
+    tokens, cached, _ = run_requests(restarted, "other-warm", other_ids, other)
     assert tokens == other_cold and cached >= image_end
+
+
+def test_an_image_is_encoded_between_decode_steps_and_answers_are_unchanged(vlm, monkeypatch):
+    """An image request arriving while another request decodes: with no time to spare per step, its tower runs
+    one block per step (3 blocks, then the merger), the decoding stream gets its token every step meanwhile,
+    the image's tokens are scheduled only once its embeddings are ready, and both answers (tokens and
+    logprobs) are what each request gives alone."""
+    import sudu.engine.vision_inputs as vision_inputs
+    from sudu.config import EngineConfig
+    from sudu.engine.llm_engine import LLMEngine
+    from sudu.sampling import SamplingParams
+
+    model_dir, _ = vlm
+    # int8 weights: the native kernels, whose rows do not depend on what shares their step (float weights run
+    # PyTorch GEMMs, which are not batch-invariant: docs/exactness.md)
+    config = EngineConfig(model=str(model_dir), max_model_len=1024, kv_cache_memory=8 << 20, quantization="int8",
+                          kv_cache_dtype="float32", speculative="none", encoder_cache_memory=0)
+
+    def engine():
+        return LLMEngine(config, progress=False)
+
+    first = engine()
+    images = [random_image(*SIZES[2], seed=21)]
+    image_ids, placed = sudu_prompt(first.image_processor, first.tokenizer, PROMPT.format(images=PLACEHOLDER), images)
+    text_ids = first.tokenizer.encode(PROMPT.format(images="Say something long. "), add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    text_alone = step_requests(first, [("text", text_ids, (), params, 0)])
+    image_alone = step_requests(engine(), [("image", image_ids, placed, params, 0)])
+
+    monkeypatch.setattr(vision_inputs, "encode_allowance", lambda scheduler: 0.0)  # one block per step
+    together = engine()
+    encoder = together.runner.vision.encoder
+    seen = []  # per step: (blocks run so far, the text request's tokens, whether the image request has a token)
+
+    def on_step(engine, step):
+        seen.append((encoder.stages_run, len(engine.requests["text"].seqs[0].output_token_ids)
+                     if "text" in engine.requests else None,
+                     bool("image" in engine.requests and engine.requests["image"].seqs[0].output_token_ids)))
+
+    outputs, logprobs = step_requests(together, [("text", text_ids, (), params, 0), ("image", image_ids, placed, params, 3)],
+                                   on_step)
+    assert outputs["text"] == text_alone[0]["text"] and logprobs["text"] == text_alone[1]["text"]
+    assert outputs["image"] == image_alone[0]["image"] and logprobs["image"] == image_alone[1]["image"]
+    # the image came at step 3 with the text request decoding: one tower block per step from then on, the text
+    # request's token count growing by one each of those steps, and the image request's first token only after
+    # the merger ran (the step after the last block)
+    blocks = [b for b, _, _ in seen]
+    assert blocks[:3] == [0, 0, 0] and blocks[3:6] == [1, 2, 3]
+    tokens = [t for _, t, _ in seen]
+    assert [b - a for a, b in zip(tokens[2:6], tokens[3:7])] == [1, 1, 1, 1]
+    assert not any(has for _, _, has in seen[:7])
+    assert encoder.jobs == {} and encoder.done == {}  # nothing held once the image was read
+
+
+def test_a_chunk_stops_before_an_image_that_is_not_ready():
+    from types import SimpleNamespace
+
+    from sudu.engine.scheduler import stop_before_unready
+    from sudu.media.image import ImageInput
+
+    a = ImageInput(b"a", torch.zeros(1), (1, 1, 1), offset=10, num_tokens=5)
+    b = ImageInput(b"b", torch.zeros(1), (1, 1, 1), offset=20, num_tokens=5)
+    seq = SimpleNamespace(num_computed_tokens=4, images=(a, b))
+    assert stop_before_unready(seq, 30, lambda image: True) == 30
+    assert stop_before_unready(seq, 30, lambda image: image is a) == 16  # up to b's start
+    assert stop_before_unready(seq, 30, lambda image: False) == 6  # up to a's start
+    assert stop_before_unready(seq, 5, lambda image: False) == 5  # the chunk ends before a
+    seq.num_computed_tokens = 12  # a cached prefix ended inside a: nothing until a is encoded
+    assert stop_before_unready(seq, 30, lambda image: image is b) == 0

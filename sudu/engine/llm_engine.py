@@ -101,7 +101,8 @@ class LLMEngine:
         self.block_manager = build_block_manager(config, ckpt, self.quantization, self.runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_when_decoding, config.max_itl_factor,
-                                   config.priority_aging_s)
+                                   config.priority_aging_s,
+                                   self.runner.vision.encoder.ready if self.runner.vision is not None else None)
         self.wait_model = WaitModel(config.max_num_seqs, config.priority_aging_s,
                                     config.max_itl_factor if not config.prefill_chunk_when_decoding else 1.0)
         # the CPU keeps its per-request torch generators; elsewhere the batch is sampled where its logits are
@@ -266,6 +267,8 @@ class LLMEngine:
         return outputs
 
     def _schedule(self) -> _Batch | None:
+        if self.runner.vision is not None:  # images encoded ahead of the steps that read them
+            self.runner.vision.encode_ahead(self.scheduler)
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:

@@ -147,7 +147,7 @@ class ModelRunner:
         with linear.prefill_path_as(self.prefill_path[1], self.prefill_path[0]):
             self.prefill_sdpa_dtype = prefill_attention_dtype(model) if self.device.type == "cpu" else None
         # a vision-language network's images: encoder cache, image rows, multimodal positions
-        self.vision = (VisionInputs(model, config.encoder_cache_memory)
+        self.vision = (VisionInputs(model, config.encoder_cache_memory, self.device, self.dtype)
                        if hasattr(model, "encode_images") else None)
         self.keep_hidden = False  # set by a drafter that reads the target's hidden states (MTP)
         self.last_hidden: torch.Tensor | None = None

@@ -48,6 +48,18 @@ def keep_images_whole(seq: Sequence, n: int) -> int:
     return end - start
 
 
+def stop_before_unready(seq: Sequence, n: int, ready) -> int:
+    """The chunk of n new tokens cut back to the first image it reaches whose embeddings are not ready yet
+    (engine/image_encoding.py encodes them between steps): the text before the image goes on; a chunk that
+    would start inside such an image waits (0)."""
+    start = seq.num_computed_tokens
+    end = start + n
+    for image in seq.images:
+        if image.offset < end and image.offset + image.num_tokens > start and not ready(image):
+            end = min(end, max(image.offset, start))
+    return end - start
+
+
 class ChunkBudget:
     """Prompt tokens per step while other sequences decode (long/short mixing): a long prompt advances a
     chunk at a time so it cannot stretch the decoders' inter-token latency (ITL).
@@ -117,8 +129,12 @@ class ChunkBudget:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_when_decoding: int = 0, itl_factor: float = 2.0, aging_s: float = 2.0):
+                 prefill_chunk_when_decoding: int = 0, itl_factor: float = 2.0, aging_s: float = 2.0,
+                 image_ready=None):
+        """image_ready(image) -> bool: whether an image's embeddings are ready (a vision model's engine);
+        a prompt chunk stops before one that is not."""
         self.block_manager = block_manager
+        self.image_ready = image_ready
         self.aging_s = aging_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -170,6 +186,11 @@ class Scheduler:
                 prefill_budget -= n
             elif seq.image_spans:
                 n = keep_images_whole(seq, n)
+            if seq.images and self.image_ready is not None:
+                n = stop_before_unready(seq, n, self.image_ready)
+                if n == 0:
+                    i += 1
+                    continue
             while not bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -193,6 +214,11 @@ class Scheduler:
                 break
             cached = bm.match_prefix(seq)
             n = keep_images_whole(seq, min(seq.num_uncomputed_tokens, budget, prefill_budget))
+            if seq.images and self.image_ready is not None:
+                n = stop_before_unready(seq, n, self.image_ready)
+                if n == 0:  # its image is still being encoded: the others may start meanwhile
+                    bm.free_sequence(seq)
+                    continue
             if not bm.can_allocate(seq, n):
                 bm.free_sequence(seq)  # first come, first served: nobody overtakes it
                 break

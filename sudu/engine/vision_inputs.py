@@ -8,43 +8,11 @@ chunking and caching leave the numbers unchanged."""
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 
 import torch
 
+from sudu.engine.image_encoding import EncoderCache, ImageEncoder, encode_allowance
 from sudu.media.image import ImageInput
-
-
-class EncoderCache:
-    """Image embeddings by content hash, least recently used evicted past max_bytes."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.num_bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self.encode_s = 0.0  # seconds spent in the vision tower
-
-    def get(self, key: bytes) -> torch.Tensor | None:
-        embeds = self.entries.get(key)
-        if embeds is not None:
-            self.entries.move_to_end(key)
-        return embeds
-
-    def put(self, key: bytes, embeds: torch.Tensor) -> None:
-        size = embeds.numel() * embeds.element_size()
-        if size > self.max_bytes or key in self.entries:
-            return
-        self.entries[key] = embeds
-        self.num_bytes += size
-        while self.num_bytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
-            self.num_bytes -= old.numel() * old.element_size()
-
-    def stats(self) -> dict:
-        return {"encoder_cache_hits": self.hits, "encoder_cache_misses": self.misses,
-                "encoder_cache_bytes": self.num_bytes, "encoder_seconds": self.encode_s}
 
 
 def check_images(token_ids: list[int], images, image_token_id: int | None, has_vision: bool) -> None:
@@ -68,9 +36,10 @@ def overlaps(image: ImageInput, start: int, end: int) -> bool:
 
 
 class VisionInputs:
-    def __init__(self, model: torch.nn.Module, cache_bytes: int):
+    def __init__(self, model: torch.nn.Module, cache_bytes: int, device: torch.device, dtype: torch.dtype):
         self.model = model
         self.cache = EncoderCache(cache_bytes)
+        self.encoder = ImageEncoder(model, self.cache, device, dtype)  # images encoded ahead, between steps
         self.mrope = getattr(model, "POSITION_AXES", 1) == 3
         self.bidirectional = getattr(model, "BIDIRECTIONAL_IMAGES", False)
 
@@ -112,12 +81,26 @@ class VisionInputs:
         self.cache.hits += len(out)
         self.cache.misses += len(missing)
         for image in missing:  # one call per image: its embeddings never depend on what else is encoded with it
-            t0 = time.perf_counter()
-            embeds = self.model.encode_images(image.pixel_values.to(device, dtype), [image.grid_thw])
+            embeds = self.encoder.finished(image.content_hash)  # encoded ahead, between steps
+            if embeds is None:
+                t0 = time.perf_counter()
+                embeds = self.model.encode_images(image.pixel_values.to(device, dtype), [image.grid_thw])
+                self.cache.encode_s += time.perf_counter() - t0
             out[image.content_hash] = embeds
             self.cache.put(image.content_hash, embeds)
-            self.cache.encode_s += time.perf_counter() - t0
+        for s in scheduled:  # an image read to its end this step is held by the cache alone from now on
+            start, end = step_range(s)
+            for image in s.seq.images:
+                if overlaps(image, start, end) and image.offset + image.num_tokens <= end:
+                    self.encoder.release(image.content_hash)
         return out
+
+    def encode_ahead(self, scheduler) -> None:
+        """Before a step: start encoding the images of queued and running sequences that are not ready, and
+        run their tower blocks for this step's allowance (image_encoding.py)."""
+        self.encoder.start(scheduler.running + scheduler.waiting)
+        if self.encoder.jobs:
+            self.encoder.advance(encode_allowance(scheduler))
 
     def image_rows(self, scheduled, embeddings: dict[bytes, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,8 +1,12 @@
 """Vision towers' attention: bidirectional attention within segments of a packed sequence of patches (one image,
 or one window of an image), every patch attending to every patch of its segment and to nothing else. Segments
 of equal length run as one batched call, so an image cut into many equal windows costs a few calls, not one per
-window."""
+window. And the towers' stages: a tower's forward written as a generator that pauses after each block
+(`EncodeStages`), so that an engine can spread one image's encoding over several steps (engine/image_encoding.py);
+`run_stages` runs them back to back, which is what a plain call does."""
 from __future__ import annotations
+
+from collections.abc import Generator
 
 import torch
 import torch.nn.functional as F
@@ -27,3 +31,16 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds:
         o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), scale=scale)
         out[rows] = o.transpose(1, 2).reshape(n * length, *q.shape[1:])
     return out
+
+
+# a tower's encoding, paused after each block: next() runs the next block; the embeddings are its return value
+EncodeStages = Generator[None, None, torch.Tensor]
+
+
+def run_stages(stages: EncodeStages) -> torch.Tensor:
+    """Every stage at once: the embeddings, exactly as a spread-out encoding computes them."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value

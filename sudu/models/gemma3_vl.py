@@ -15,7 +15,7 @@ from torch import nn
 from sudu.layers.attention import AttentionMetadata
 from sudu.layers.mlp import ACTIVATIONS
 from sudu.layers.norm import RMSNorm
-from sudu.layers.vision import segment_attention
+from sudu.layers.vision import EncodeStages, run_stages, segment_attention
 from sudu.model_config import ModelConfig
 from sudu.models.gemma3 import Gemma3ForCausalLM
 
@@ -88,9 +88,14 @@ class SiglipVisionModel(nn.Module):
         self.post_layernorm = nn.LayerNorm(v["hidden_size"], eps=v.get("layer_norm_eps", 1e-6))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return run_stages(self.stages(pixels))
+
+    def stages(self, pixels: torch.Tensor) -> EncodeStages:
+        """forward, paused after each encoder layer."""
         x = self.embeddings(pixels)
         for layer in self.encoder.layers:
             x = layer(x)
+            yield
         return self.post_layernorm(x)
 
 
@@ -125,7 +130,12 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """One image's pixels [C, H, W] -> its embeddings [mm_tokens_per_image, hidden_size]."""
-        return self.multi_modal_projector(self.vision_tower(pixels))
+        return run_stages(self.encode_stages(pixels, grids))
+
+    def encode_stages(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> EncodeStages:
+        """encode_images, paused after each tower layer."""
+        patches = yield from self.vision_tower.stages(pixels)
+        return self.multi_modal_projector(patches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

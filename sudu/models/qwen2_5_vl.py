@@ -15,7 +15,7 @@ from sudu.layers.attention import AttentionMetadata
 from sudu.layers.mlp import ACTIVATIONS
 from sudu.layers.norm import RMSNorm
 from sudu.layers.rotary import MRotaryEmbedding, apply_rotary
-from sudu.layers.vision import segment_attention
+from sudu.layers.vision import EncodeStages, run_stages, segment_attention
 from sudu.model_config import ModelConfig
 from sudu.models.llama import LlamaForCausalLM
 
@@ -156,6 +156,10 @@ class VisionTransformer(nn.Module):
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Patches of one or more images [N, C * T * P * P] and their grids -> one embedding per merged patch
         [N / merge^2, out_hidden_size], images in order."""
+        return run_stages(self.stages(pixels, grids))
+
+    def stages(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> EncodeStages:
+        """forward, paused after each block."""
         unit = self.merge * self.merge
         x = self.patch_embed(pixels)
         n = x.shape[0]
@@ -171,6 +175,7 @@ class VisionTransformer(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full_bounds if i in self.full_blocks else window_bounds)
+            yield
         return self.merger(x)[torch.argsort(order)]
 
 
@@ -184,6 +189,10 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         return self.visual(pixels, grids)
+
+    def encode_stages(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> EncodeStages:
+        """encode_images, paused after each tower block."""
+        return self.visual.stages(pixels, grids)
 
     def prompt_positions(self, num_tokens: int, images) -> tuple[torch.Tensor, int]:
         return mrope_positions(num_tokens, images, self.visual.merge)

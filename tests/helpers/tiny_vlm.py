@@ -137,3 +137,21 @@ def sudu_processor(model_dir):
 
     ckpt = load_checkpoint(str(model_dir), pull=False, progress=False)
     return ckpt, image_processor(ckpt.config, ckpt.preprocessor)
+
+
+def step_requests(engine, requests, on_step=None) -> tuple[dict, dict]:
+    """requests: (request id, prompt ids, images, params, step at which it is added). Tokens and logprobs by
+    request id; on_step(engine, step index) after each step."""
+    outputs, logprobs, step = {}, {}, 0
+    pending = sorted(requests, key=lambda r: r[4])
+    while pending or engine.has_unfinished():
+        while pending and pending[0][4] <= step:
+            rid, ids, images, params, _ = pending.pop(0)
+            engine.add_request(rid, engine.check_request(ids, params, images))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.outputs[0].logprobs)
+        if on_step is not None:
+            on_step(engine, step)
+        step += 1
+    return outputs, logprobs
