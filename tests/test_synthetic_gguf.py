@@ -8,6 +8,7 @@ import math
 import gguf
 import numpy as np
 
+from benchmarks.shape_vs_llama_server import bytes_per_token
 from benchmarks.synthetic_gguf import Qwen2Layout, tensor_specs, write_synthetic_gguf
 from sudu import LLM
 from sudu.sampling import SamplingParams
@@ -80,3 +81,13 @@ def test_sudu_loads_it_and_generates(tmp_path):
     assert len(completion.token_ids) == 6
     assert all(0 <= t < 320 for t in completion.token_ids)
     assert all(math.isfinite(lp.logprob) for lp in completion.logprobs)
+
+
+def test_decode_bytes_per_token_of_the_file(tmp_path):
+    # benchmarks/shape_vs_llama_server.py's limit: every tensor but the embedding, one embedding row, and
+    # float16 K and V of every layer's KV heads per token of context
+    path, _ = _write(tmp_path)
+    weights, kv = bytes_per_token(str(path))
+    sizes = {name: int(np.prod(shape)) * (2 if kind == "matrix" else 4) for name, shape, kind in tensor_specs(TINY)}
+    assert weights == sum(sizes.values()) - sizes["token_embd.weight"] + 64 * 2
+    assert kv == 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2
