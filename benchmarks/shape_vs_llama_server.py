@@ -29,11 +29,11 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import llama_server  # noqa: E402
-from vs_llama_server import start  # noqa: E402
+import llama_server
+from vs_llama_server import start
 
-from sudu.bench.local_server import free_port, stop_server  # noqa: E402
-from sudu.commands.roofline import measure_bandwidth_gbs  # noqa: E402
+from sudu.bench.local_server import free_port, stop_server
+from sudu.commands.roofline import measure_bandwidth_gbs
 
 
 def bytes_per_token(path: str) -> tuple[int, int]:
@@ -46,9 +46,9 @@ def bytes_per_token(path: str) -> tuple[int, int]:
         else:
             weights += int(t.n_bytes)
     arch = r.fields["general.architecture"].contents()
-    get = lambda key: r.fields[f"{arch}.{key}"].contents()  # noqa: E731
-    head_dim = get("embedding_length") // get("attention.head_count")
-    kv = 2 * get("block_count") * get("attention.head_count_kv") * head_dim * 2
+    hidden, heads, kv_heads, layers = (r.fields[f"{arch}.{key}"].contents() for key in (
+        "embedding_length", "attention.head_count", "attention.head_count_kv", "block_count"))
+    kv = 2 * layers * kv_heads * (hidden // heads) * 2
     return weights, kv
 
 
@@ -117,7 +117,8 @@ def main() -> None:
             stop_server(proc)
     report_path = max((os.path.join(args.out, f) for f in os.listdir(args.out) if f.startswith("sweep-")
                        and f.endswith(".json")), key=os.path.getmtime)
-    points = json.load(open(report_path))["points"]
+    with open(report_path) as f:
+        points = json.load(f)["points"]
     fig = {(p["endpoint"], p["depth"]): p["figures"] for p in points}
     print(f"\nbandwidth {bandwidth:.1f} GB/s (2 threads, timed sums); weights {weights_b / 1e9:.3f} GB/token, "
           f"float16 KV {kv_b / 1e3:.1f} kB per token of context; sweep report {report_path}")
@@ -138,9 +139,9 @@ def main() -> None:
         limit = bandwidth * 1e9 / (weights_b + kv_b * depth)
         print(f"| {depth} | {pa:.1f} | {pb:.1f} | {pa / pb:.2f}x | {da:.2f} | {db:.2f} | {da / db:.2f}x | "
               f"{limit:.2f} | {da / limit:.0%} | {db / limit:.0%} |")
-    json.dump({"memory": memory, "bandwidth_gbs": bandwidth, "weights_bytes_per_token": weights_b,
-               "kv_bytes_per_context_token": kv_b, "sweep_report": report_path},
-              open(os.path.join(args.out, "shape-summary.json"), "w"), indent=1)
+    with open(os.path.join(args.out, "shape-summary.json"), "w") as f:
+        json.dump({"memory": memory, "bandwidth_gbs": bandwidth, "weights_bytes_per_token": weights_b,
+                   "kv_bytes_per_context_token": kv_b, "sweep_report": report_path}, f, indent=1)
 
 
 if __name__ == "__main__":
