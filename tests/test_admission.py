@@ -295,6 +295,7 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         # 0.02 s per token, the blocker still in transit; the second of two waits for three prompts
         # (1.86 s), 1.24 s of it behind the others: refused
         measured.prefill_s_per_token, measured.decode_step_s, measured.calibration = 0.02, 0.01, 1.0
+        measured.mean_ratio = 1.0  # the drain a Retry-After is priced at: the model's, not what the run measured
         fresh = engine.check_request([100 + i for i in range(31)], SamplingParams(max_tokens=4))
         first = engine.try_admit("first", fresh)
         assert first.admitted and first.wait_s == pytest.approx(1.24)
@@ -307,16 +308,18 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         # 0.93 s behind two prompts (admitted), where the later one waits behind three
         measured.prefill_s_per_token = 0.015
         assert engine.try_admit("second-again", fresh).admitted
-        # the later one, back before its turn, is judged like any arrival (from its first arrival): 1.395 s,
-        # over the 1 s limit, refused again...
-        early = engine.try_admit("third-early", other)
-        assert not early.admitted and early.queue_s == pytest.approx(1.395)
-        # ...and back once its turn has come, the promise is kept whatever the model now says
-        book = engine._promises
-        (key, promise), = book._promises.items()
-        book.keep(key, dataclasses.replace(promise, turn=time.perf_counter()))
-        third_again = engine.try_admit("third-again", other)
-        assert third_again.admitted and third_again.queue_s == pytest.approx(1.395)
+        # the later one comes back: before the engine has run at capacity it is judged like any arrival (from
+        # its first arrival): 1.395 s, over the 1 s limit, refused again...
+        again = engine.try_admit("third-again", other)
+        assert not again.admitted and again.queue_s == pytest.approx(1.395)
+        # ...once the pace at capacity is measured, a returning client is judged by it, within 1.5x the limit:
+        # three requests not yet started ahead of it (the blocker, first, second-again, all in transit); at
+        # 0.6 s per first token that is 1.8 s, refused; at 0.4 s, 1.2 s: admitted
+        measured.turn_s = 0.6
+        assert not engine.try_admit("third-later", other).admitted
+        measured.turn_s = 0.4
+        last = engine.try_admit("third-last", other)
+        assert last.admitted and last.queue_s == pytest.approx(1.2)
         assert engine.stats()["admission_promised"] == 0
 
 

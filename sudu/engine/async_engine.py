@@ -44,6 +44,7 @@ PROMISE_GRACE_S = 5.0  # a refused request's place is kept this long after its R
 # room for the spread of service times and its wait grows without bound (a random walk); the rest of the
 # capacity goes to new arrivals admitted into the gaps
 PROMISED_UTILIZATION = 0.9
+PROMISE_SLACK = 1.5  # a client back at its turn is admitted within this many times --max-queue-wait (paced)
 
 
 @dataclass
@@ -183,11 +184,20 @@ class AsyncLLMEngine:
                 now_alone = predict(())
                 if now_alone.queue_s == 0.0:
                     prediction = now_alone
-            if not prediction.admitted and promise is not None and now >= promise.turn:
-                # a promise is kept: a client back at its turn is admitted whatever the model now says. Its turn
-                # was placed after every earlier promise at the engine's measured pace, so the queue ahead of
-                # it is what the promise allowed for; refusing it again would make its Retry-After a lie
-                prediction = dataclasses.replace(prediction, admitted=True, retry_after_s=0.0)
+            rates = self.engine.wait_model.rates
+            if not prediction.admitted and promise is not None and rates.turn_s is not None:
+                # a client back at its turn is judged at the pace its turn was placed by: the requests not yet
+                # started ahead of it, at the measured seconds per first token, held to PROMISE_SLACK x the
+                # limit (its Retry-After was a prediction too). The per-request model, which admission holds
+                # new arrivals to, overestimates a full engine's queue; a promise should not fail on that. A
+                # queue that did grow past the slack (the engine fell behind its pace) still refuses it
+                promised = self._promises.ahead(now, self.config.max_queue_wait)
+                key_now = new.key(now, self.config.priority_aging_s)
+                unstarted = sum(1 for s in base.running if s.output_tokens == 0) + sum(
+                    1 for s in base.waiting + transit + promised if s.key(now, self.config.priority_aging_s) < key_now)
+                paced = unstarted * rates.turn_s
+                if paced <= PROMISE_SLACK * limit:
+                    prediction = dataclasses.replace(prediction, admitted=True, retry_after_s=0.0, queue_s=paced)
             loads = (new,) * request.params.n
             if prediction.admitted:
                 self._in_transit[request_id] = (now, loads)
@@ -200,7 +210,6 @@ class AsyncLLMEngine:
                 # capacity (over a long queue of requests like the recent ones, a per-request model's errors
                 # add up; the measured pace does not), stretched to PROMISED_UTILIZATION. Until measured, the model's cost of one more request
                 # like it. Predictions come at the tail's calibration; a drain is priced at the mean ratio
-                rates = self.engine.wait_model.rates
                 scale = rates.mean_ratio / rates.calibration
                 own_queue = predict(())
                 if rates.turn_s is not None:
