@@ -37,21 +37,64 @@ from tests.helpers.tiny_vlm import png_bytes, random_image  # noqa: E402
 MAX_TOKENS = 32
 
 
-def build_model(depth: int):
-    """Gemma 3 with the So400m tower (depth of 27 blocks) and a small text model, random weights."""
+# the language model: a small one, or gemma-3-4b-it's (its released config.json: 34 layers of width 2560, five
+# sliding-window layers per global one, the 262,208-row embedding tied to the output; the global layers' linear
+# rope scaling is left out, it changes no cost)
+TEXT_SHAPES = {
+    "tiny": dict(vocab_size=384, hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, query_pre_attn_scalar=64, num_hidden_layers=6, sliding_window=512,
+                 layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+    "4b": dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, num_hidden_layers=34,
+               sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5
+               + ["sliding_attention"] * 4),
+}
+
+
+def build_model(depth: int, shape: str = "tiny"):
+    """Gemma 3 with the So400m tower (depth of 27 blocks) and the `shape` text model, random weights (the 4B one
+    in bfloat16: float32 would not fit next to the converter)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = dict(vocab_size=384, hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=64, query_pre_attn_scalar=64, num_hidden_layers=6, sliding_window=512,
-                layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=4096,
-                eos_token_id=token_id("<|im_end|>"))
+    text = dict(TEXT_SHAPES[shape], max_position_embeddings=8192, eos_token_id=token_id("<|im_end|>"))
     vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=depth, num_attention_heads=16,
                   image_size=896, patch_size=14, vision_use_head=False)
     cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256,
                        boi_token_index=token_id("<start_of_image>"), eoi_token_index=token_id("<end_of_image>"),
                        image_token_index=token_id("<image_soft_token>"))
     torch.manual_seed(0)
-    return Gemma3ForConditionalGeneration._from_config(cfg).float().eval()
+    if shape == "tiny":
+        return Gemma3ForConditionalGeneration._from_config(cfg).float().eval()
+    return Gemma3ForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+LLAMA_QUANTIZE = "llama-quantize"  # next to llama-server in llama.cpp's build
+
+
+def prepare(out: Path, depth: int, shape: str, quant: str) -> tuple[Path, Path]:
+    """(the text GGUF, the mmproj GGUF): built once per (shape, depth, quant) under `out` and kept. The tiny shape
+    converts to float32; the 4B shape to float16 (the released mmproj files' type) and the text model is then
+    quantized by llama.cpp's own llama-quantize to `quant` (e.g. Q4_K_M)."""
+    tag = f"gemma3-{shape}-vision{depth}"
+    model_dir, gguf_dir = out / tag, out / f"{tag}-gguf"
+    outtype = "f32" if shape == "tiny" else "f16"
+    text, mmproj = gguf_dir / f"model-{outtype}.gguf", gguf_dir / f"mmproj-model-{outtype}.gguf"
+    if not mmproj.exists():
+        print(f"building the {shape} model ({depth} vision blocks) and converting it with llama.cpp's converter",
+              flush=True)
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        save_dir(model_dir, build_model(depth, shape), 896, 256, gguf_ready=True)
+        text, mmproj = convert_to_gguf(model_dir, gguf_dir, outtype)
+    if quant.lower() in ("", "none"):
+        return text, mmproj
+    quantized = gguf_dir / f"model-{quant}.gguf"
+    if not quantized.exists():
+        tool = os.path.join(os.path.dirname(llama_server.require()), LLAMA_QUANTIZE)
+        print(f"quantizing the text model to {quant} with {tool}", flush=True)
+        subprocess.run([tool, str(text), str(quantized) + ".part", quant, "2"], check=True,
+                       env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(tool)), stdout=subprocess.DEVNULL)
+        os.replace(str(quantized) + ".part", quantized)
+    return quantized, mmproj
 
 
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
