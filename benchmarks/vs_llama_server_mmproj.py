@@ -157,9 +157,28 @@ def decode_tok_per_s(name: str, body: dict) -> float:
     return body["timings"]["predicted_per_second"]
 
 
+def _log_seconds(stamp: str) -> float:
+    """llama.cpp's log timestamp `M.SS.mmm.uuu` (with --log-timestamps, the default) in seconds."""
+    minutes, secs, ms, us = (int(x) for x in stamp.split("."))
+    return minutes * 60 + secs + ms / 1e3 + us / 1e6
+
+
+def llama_encode_spans(log: str) -> list[float]:
+    """llama-server's image encode times (seconds) from its log (-lv 4): from `encoding mtmd batch` to the next
+    `decoding image batch` (where the language model starts on the image's embeddings)."""
+    spans, start = [], None
+    for m in re.finditer(r"^(\d+\.\d+\.\d+\.\d+) I .*?(encoding mtmd batch|decoding image batch)", log, re.M):
+        if m.group(2) == "encoding mtmd batch":
+            start = _log_seconds(m.group(1))
+        elif start is not None:
+            spans.append(_log_seconds(m.group(1)) - start)
+            start = None
+    return spans
+
+
 class EncodeClock:
     """Seconds each server spent encoding images, read after each request: sudu's /metrics counter
-    `sudu:encoder_seconds_total`; llama-server's log lines `image slice encoded in N ms` (its mtmd helper's)."""
+    `sudu:encoder_seconds_total`; llama-server's log (llama_encode_spans)."""
 
     def __init__(self, name: str, url: str, log: Path):
         self.name, self.url, self.log, self.seen = name, url, log, 0.0
@@ -170,8 +189,8 @@ class EncodeClock:
                 if line.startswith("sudu:encoder_seconds_total "):
                     return float(line.split()[1])
             return None
-        ms = [float(m) for m in re.findall(r"slice encoded in (\d+) ms", self.log.read_text(errors="replace"))]
-        return sum(ms) / 1e3 if ms else None
+        spans = llama_encode_spans(self.log.read_text(errors="replace"))
+        return sum(spans) if spans else None
 
     def since_last(self) -> float | None:
         now = self.total()
