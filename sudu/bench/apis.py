@@ -31,7 +31,8 @@ class Parsed:
     tool_deltas: list | None = None  # chat's delta.tool_calls, merged by the client
 
 
-def _text(content) -> str:
+def message_text(content) -> str:
+    """A message's text: the string, or its text parts' (image parts carry none)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -42,7 +43,7 @@ def _text(content) -> str:
 def render_prompt(messages: list[dict]) -> str:
     """A chat conversation as one plain prompt for /v1/completions: each message's text on its own
     paragraph, in order (no chat template: the completions API takes text as it is)."""
-    return "\n\n".join(_text(m.get("content")) for m in messages if _text(m.get("content")))
+    return "\n\n".join(message_text(m.get("content")) for m in messages if message_text(m.get("content")))
 
 
 def translate(body: dict, api: str) -> dict:
@@ -60,8 +61,8 @@ def translate(body: dict, api: str) -> dict:
         return {**body, "prompt": prompt if prompt is not None else render_prompt(messages)}
     base = {k: v for k, v in body.items() if k not in ("max_tokens", "stream_options", "tools", "tool_choice",
                                                        "response_format")}
-    system = "\n\n".join(_text(m.get("content")) for m in messages if m.get("role") == "system")
-    rest = [{"role": m["role"] if m.get("role") in ("user", "assistant") else "user", "content": _text(m.get("content"))}
+    system = "\n\n".join(message_text(m.get("content")) for m in messages if m.get("role") == "system")
+    rest = [{"role": m["role"] if m.get("role") in ("user", "assistant") else "user", "content": message_text(m.get("content"))}
             for m in messages if m.get("role") != "system"]
     if api == "messages":
         out = {**base, "messages": rest, "max_tokens": body.get("max_tokens") or 1024}

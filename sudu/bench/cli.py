@@ -1,4 +1,4 @@
-"""`sudu bench {single,throughput,cache,tasks,conversation,structured,determinism,compare}`: flags, and
+"""`sudu bench {single,throughput,cache,tasks,conversation,structured,multimodal,determinism,compare}`: flags, and
 the run around a suite: target resolution (--url, or a local `sudu serve` started and stopped here),
 server info, token recount hook, progress bar, and the report written at the end, or marked partial when
 Ctrl-C interrupts the run."""
@@ -116,6 +116,21 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, seed = --seed + index")
     p.set_defaults(func=cmd_suite)
+
+    p = suites.add_parser("multimodal", help="chat turns with a generated image of each size: image-to-first-token "
+                          "cold (a new image), warm (the same request again) and shared-image (the same image after "
+                          "other text: the encoder cache)")
+    _common(p)
+    p.add_argument("--sizes", default="448x448,1024x768", help="image sizes, WIDTHxHEIGHT, comma-separated")
+    p.add_argument("--states", default="cold,warm,shared-image", help="image cache states: cold (a fresh image each "
+                   "request), warm (the identical request just before), shared-image (the same image just before, "
+                   "behind other text)")
+    p.add_argument("-n", "--num-requests", type=int, default=4, help="measured requests per size and state")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--question", default=None, help="the text sent with each image (default: a description request)")
+    p.add_argument("--no-text-baseline", action="store_true", help="skip the text-only group (the same question "
+                   "without the image) that the image's cost is measured against")
+    p.set_defaults(func=cmd_suite, warmup=1)
 
     _register_determinism(suites)
     _register_sweep(suites)
@@ -294,6 +309,20 @@ def validate(args) -> dict:
         if args.concurrency < 1 or args.max_tokens < 1 or args.temperature < 0:
             raise SuduError("--concurrency and --max-tokens must be >= 1, --temperature >= 0")
         load_validator_class()
+    if args.suite == "multimodal":
+        from sudu.bench.images import parse_sizes
+        from sudu.bench.multimodal import DEFAULT_QUESTION, IMAGE_STATES, MultimodalOptions
+
+        states = [s.strip() for s in args.states.split(",") if s.strip()]
+        if not states or any(s not in IMAGE_STATES for s in states):
+            raise SuduError(f"bad --states {args.states!r}: use any of {', '.join(IMAGE_STATES)}")
+        if args.max_tokens < 1:
+            raise SuduError("--max-tokens must be >= 1")
+        if args.api != "chat":
+            raise SuduError(f"--api {args.api}: the multimodal suite sends chat completions' image_url parts; use --api chat")
+        args.multimodal_opts = MultimodalOptions(parse_sizes(args.sizes), list(dict.fromkeys(states)), args.num_requests,
+                                                 args.max_tokens, args.seed, not args.no_text_baseline,
+                                                 args.question or DEFAULT_QUESTION, args.warmup)
     if args.suite == "conversation":
         if args.users < 1 or args.turns < 1 or args.team_size < 1 or args.answer_tokens < 1:
             raise SuduError("--users, --turns, --team-size and --answer-tokens must be >= 1")
@@ -355,7 +384,8 @@ def cmd_suite(args) -> int:
 def _config(args) -> dict:
     from sudu.bench.suites import SAMPLING
 
-    skip = {"func", "api_key", "trace_obj", "capacity_opts", "prices", "json_lines_write", "json_lines_close"}
+    skip = {"func", "api_key", "trace_obj", "capacity_opts", "multimodal_opts", "prices", "json_lines_write",
+            "json_lines_close"}
     config = {k: v for k, v in vars(args).items()
               if k not in skip and isinstance(v, (str, int, float, bool, list, dict, type(None)))}
     sampling = {"temperature": args.temperature} if args.suite == "structured" else dict(SAMPLING)
@@ -409,6 +439,10 @@ def planned_requests(args) -> int | None:
         return args.users * args.turns
     if args.suite == "structured":
         return args.warmup + args.num_requests
+    if args.suite == "multimodal":
+        from sudu.bench.multimodal import planned
+
+        return planned(args.multimodal_opts)
     return args.warmup + len(args.task_list) * args.repeat
 
 
@@ -463,6 +497,12 @@ async def run_suite(args, run) -> None:
 
                 await run_structured(ctx, suites.send, args.schema_list, args.num_requests, args.concurrency,
                                      args.max_tokens, args.temperature, args.warmup, args.seed)
+            elif args.suite == "multimodal":
+                from sudu.bench.multimodal import run_multimodal
+
+                opts = args.multimodal_opts
+                run.multimodal = {"sizes": opts.sizes, "states": opts.states, "evidence": {}}
+                run.multimodal["evidence"] = await run_multimodal(ctx, opts, suites.send, suites.Group)
             elif args.suite == "conversation":
                 from sudu.bench.conversation import ConversationOptions, run_conversation
 

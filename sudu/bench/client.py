@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from sudu.bench.apis import ENDPOINTS, parse_event, tool_calls as api_tool_calls, translate
+from sudu.bench.apis import ENDPOINTS, message_text, parse_event, tool_calls as api_tool_calls, translate
 
 TOKENS_ASSUMED_ONE = "assumed-1-per-chunk"
 
@@ -35,7 +35,7 @@ class RequestRecord:
 
     request_id: int
     group: str  # the workload point this request belongs to, e.g. "concurrency=4"
-    cache_state: str  # declared: cold | warm | shared-prefix
+    cache_state: str  # declared: cold | warm | shared-prefix | shared-image | trace
     warmup: bool = False
     t_sent_s: float = 0.0  # perf_counter() just before the request was handed to httpx
     status: int | None = None
@@ -64,6 +64,7 @@ class RequestRecord:
     prompt_chars: int = 0
     max_tokens: int | None = None
     task: str | None = None
+    images: list[dict] | None = None  # the images sent (size, PNG bytes, digest): the multimodal suite's
     resent: int = 0  # times sent again because the server closed a kept-alive connection before responding
     metrics: dict = field(default_factory=dict)  # filled by metrics.request_metrics
 
@@ -264,7 +265,7 @@ async def stream_chat(
     record.api = api
     record.max_tokens = body.get("max_tokens")
     record.prompt_chars = (len(body["prompt"]) if isinstance(body.get("prompt"), str)
-                           else sum(len(m.get("content") or "") for m in body.get("messages", [])))
+                           else sum(len(message_text(m.get("content"))) for m in body.get("messages", [])))
     if api != "chat" or "prompt" in body:
         body = translate(body, api)
     text_parts: list[str] = []

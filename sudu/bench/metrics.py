@@ -34,8 +34,14 @@ DEFINITIONS = {
     "goodput_req_s": "Requests meeting every SLO / measurement window.",
     "cache_state": "Declared per workload: cold (a unique random salt at the very start of every prompt), "
     "warm (the identical prompt was sent just before), shared-prefix (a common system prompt, distinct "
-    "tails). Observed cached tokens (usage.prompt_tokens_details.cached_tokens or "
+    "tails); for requests carrying an image (multimodal suite): cold (a fresh image each request and a fresh "
+    "salt), warm (the identical request with the same image was sent just before), shared-image (the same image "
+    "was sent just before behind another salt: only an encoder cache can reuse it). Observed cached tokens (usage.prompt_tokens_details.cached_tokens or "
     "usage.prompt_cache_hit_tokens) are recorded; contradictions are flagged.",
+    "image_ttft_s": "Image-to-first-token: the TTFT of a request carrying an image (its upload, decoding, "
+    "preprocessing, the vision encoder, the prompt and the first token); image tokens = median prompt tokens of "
+    "the cold image requests - those of the same question without the image; image cost = median cold "
+    "image-to-first-token - median TTFT of that text-only question.",
     "attribution": "Where the server reports a timing breakdown (sudu's `sudu` object or the "
     "Server-Timing header): request sent -> finish chunk = network/client + queue + prefill + decode, "
     "network/client being the rest.",

@@ -18,6 +18,7 @@ import sys
 from sudu.bench import capacity as capacity_mod
 from sudu.bench import cost as cost_mod
 from sudu.bench import html_page
+from sudu.bench.multimodal import rows as multimodal_rows
 from sudu.bench import metrics as M
 from sudu.bench import replay as replay_mod
 from sudu.bench.stats import TOO_FEW, summarize
@@ -145,10 +146,21 @@ def structured_summary(run) -> dict | None:
     return {**summarize(run.structured), "answers": run.structured}
 
 
+def multimodal_summary(run) -> dict | None:
+    if not run.multimodal:
+        return None
+    from sudu.bench.multimodal import summarize
+
+    return summarize(run.records, [tuple(s) for s in run.multimodal["sizes"]], run.multimodal.get("evidence"))
+
+
 def build_report(run, slo: dict | None = None) -> dict:
     slo = slo or {}
     groups = [group_summary(run, g, slo) for g in run.groups]
     flags = [f for g in groups for f in g["flags"]]
+    multimodal = multimodal_summary(run)
+    if multimodal:
+        flags += multimodal["flags"]
     structured = structured_summary(run)
     if structured and structured["valid"] < structured["n"]:
         flags.append(f"structured: {structured['n'] - structured['valid']} of {structured['n']} answers not valid "
@@ -175,6 +187,7 @@ def build_report(run, slo: dict | None = None) -> dict:
         "task_runs": run.task_results,
         "conversation": conversation_summary(run),
         "structured": structured,
+        "multimodal": multimodal,
         "replay": run.replay,
         "capacity": run.capacity,
         "cost": cost_mod.cost_summary(run.records, run.prices, run.machine_per_hour, _window(run.records)),
@@ -310,6 +323,10 @@ def markdown_summary(report: dict) -> str:
     header, rows = cache_rows(report)
     if rows:
         parts += ["## Cache effect (median TTFT; observed cached tokens as evidence)", _md_table(header, rows)]
+    header, rows = multimodal_rows(report.get("multimodal"))
+    if rows:
+        parts += ["## Images: image-to-first-token (median TTFT of requests carrying the image; observed tokens "
+                  "as evidence)", _md_table(header, rows)]
     header, rows = attribution_rows(report)
     if rows:
         parts += ["## Where the time went (server-reported breakdown, means)", _md_table(header, rows)]
@@ -449,6 +466,7 @@ def plots(report: dict) -> list[tuple[str, str]]:
 def html_report(report: dict) -> str:
     """The interactive, self-contained page (html_page.py)."""
     tables = [("Results", group_rows(report)), ("Cache effect", cache_rows(report)),
+              ("Images", multimodal_rows(report.get("multimodal"))),
               ("Where the time went", attribution_rows(report)), ("Tasks", task_rows(report))]
     sections = []
     if report.get("replay"):

