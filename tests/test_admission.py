@@ -312,14 +312,15 @@ def test_predicted_wait_over_the_limit_is_429_with_retry_after(tiny_model_dirs):
         # its first arrival): 1.395 s, over the 1 s limit, refused again...
         again = engine.try_admit("third-again", other)
         assert not again.admitted and again.queue_s == pytest.approx(1.395)
-        # ...once the pace at capacity is measured, a returning client is judged by it, within 1.5x the limit:
-        # three requests not yet started ahead of it (the blocker, first, second-again, all in transit); at
-        # 0.6 s per first token that is 1.8 s, refused; at 0.4 s, 1.2 s: admitted
+        # ...once the pace at capacity is measured, a returning client is judged by it, its first token within
+        # 1.4x the limit: three requests not yet started ahead of it (the blocker, first, second-again, all in
+        # transit), then its own 31 tokens (0.465 s); at 0.6 s per first token that is 2.265 s, refused; at
+        # 0.3 s, 1.365 s: admitted
         measured.turn_s = 0.6
         assert not engine.try_admit("third-later", other).admitted
-        measured.turn_s = 0.4
+        measured.turn_s = 0.3
         last = engine.try_admit("third-last", other)
-        assert last.admitted and last.queue_s == pytest.approx(1.2)
+        assert last.admitted and last.queue_s == pytest.approx(0.9)
         assert engine.stats()["admission_promised"] == 0
 
 
@@ -374,9 +375,9 @@ def test_promises_neither_idle_the_engine_nor_shorten_a_retry(tiny_model_dirs):
     refused = engine.try_admit("b", request(200))
     assert not refused.admitted and refused.queue_s == pytest.approx(2.31)
     assert refused.retry_after_s == 6
-    # measured at capacity, the engine starts a request every 0.81 s: each later refusal's turn comes that
+    # measured at capacity, the engine starts a request every 0.765 s: each later refusal's turn comes that
     # pace / PROMISED_UTILIZATION (0.9 s) after the one before, however short its own queue: 5.31 + 0.9 = 6.21
     # s, then 7.11 s
-    rates.turn_s = 0.81
+    rates.turn_s = 0.765
     assert engine.try_admit("d", request(250)).retry_after_s == 7
     assert engine.try_admit("c", request(300)).retry_after_s == 8

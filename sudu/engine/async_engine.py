@@ -43,8 +43,11 @@ PROMISE_GRACE_S = 5.0  # a refused request's place is kept this long after its R
 # promised turns fill this share of the engine's measured pace: a queue served at exactly its capacity has no
 # room for the spread of service times and its wait grows without bound (a random walk); the rest of the
 # capacity goes to new arrivals admitted into the gaps
-PROMISED_UTILIZATION = 0.9
-PROMISE_SLACK = 1.5  # a client back at its turn is admitted within this many times --max-queue-wait (paced)
+PROMISED_UTILIZATION = 0.85
+# a client back at its turn is admitted if its first token is due within this many times --max-queue-wait (at
+# the measured pace): its Retry-After was a prediction too, and being refused twice for a near miss would
+# break the promise for little gain
+PROMISE_SLACK = 1.4
 
 
 @dataclass
@@ -187,8 +190,8 @@ class AsyncLLMEngine:
             rates = self.engine.wait_model.rates
             if not prediction.admitted and promise is not None and rates.turn_s is not None:
                 # a client back at its turn is judged at the pace its turn was placed by: the requests not yet
-                # started ahead of it, at the measured seconds per first token, held to PROMISE_SLACK x the
-                # limit (its Retry-After was a prediction too). The per-request model, which admission holds
+                # started ahead of it at the measured seconds per first token, then its own prompt, held to
+                # PROMISE_SLACK x the limit. The per-request model, which admission holds
                 # new arrivals to, overestimates a full engine's queue; a promise should not fail on that. A
                 # queue that did grow past the slack (the engine fell behind its pace) still refuses it
                 promised = self._promises.ahead(now, self.config.max_queue_wait)
@@ -196,7 +199,8 @@ class AsyncLLMEngine:
                 unstarted = sum(1 for s in base.running if s.output_tokens == 0) + sum(
                     1 for s in base.waiting + transit + promised if s.key(now, self.config.priority_aging_s) < key_now)
                 paced = unstarted * rates.turn_s
-                if paced <= PROMISE_SLACK * limit:
+                own = (prediction.wait_s or 0.0) - (prediction.queue_s or 0.0)  # its own prompt's time
+                if paced + own <= PROMISE_SLACK * limit:
                     prediction = dataclasses.replace(prediction, admitted=True, retry_after_s=0.0, queue_s=paced)
             loads = (new,) * request.params.n
             if prediction.admitted:
@@ -208,8 +212,9 @@ class AsyncLLMEngine:
                 # engine's own queue has drained, and after the latest turn still promised by its share of
                 # the engine. That share is measured: the seconds per first token while the engine runs at
                 # capacity (over a long queue of requests like the recent ones, a per-request model's errors
-                # add up; the measured pace does not), stretched to PROMISED_UTILIZATION. Until measured, the model's cost of one more request
-                # like it. Predictions come at the tail's calibration; a drain is priced at the mean ratio
+                # add up; the measured pace does not), stretched to PROMISED_UTILIZATION. Until measured, the
+                # model's cost of one more request like it. Predictions come at the tail's calibration; a
+                # drain is priced at the mean ratio
                 scale = rates.mean_ratio / rates.calibration
                 own_queue = predict(())
                 if rates.turn_s is not None:
