@@ -320,9 +320,10 @@ def test_mmproj_needs_a_gemma3_language_model(tmp_path):
 
 
 def test_images_encoded_between_decode_steps_leave_both_answers_unchanged(vlm, monkeypatch):
-    """Two images arriving while another request decodes, encoded one tower layer per step (2 layers each, then
-    the projector): the prompt's text before the first image runs meanwhile, each image is computed whole once
-    it is ready, and both answers' tokens and logprobs are the bits each request gives alone (int8 weights)."""
+    """Two images arriving while another request decodes, encoded one tower stage per step (each of 2 layers'
+    attention, then its MLP; then the projector): the prompt's text before the first image runs meanwhile, each
+    image is computed whole once it is ready, and both answers' tokens and logprobs are the bits each request
+    gives alone (int8 weights)."""
     import sudu.engine.vision_inputs as vision_inputs
     from sudu.config import EngineConfig
     from sudu.engine.llm_engine import LLMEngine
@@ -338,7 +339,7 @@ def test_images_encoded_between_decode_steps_leave_both_answers_unchanged(vlm, m
     text_alone = step_requests(first, [("text", text_ids, (), params, 0)])
     image_alone = step_requests(LLMEngine(config, progress=False), [("image", image_ids, placed, params, 0)])
 
-    monkeypatch.setattr(vision_inputs, "encode_allowance", lambda scheduler: 0.0)  # one layer per step
+    monkeypatch.setattr(vision_inputs, "encode_allowance", lambda scheduler: 0.0)  # one stage per step
     together = LLMEngine(config, progress=False)
     computed = []  # the image request's computed prompt tokens after each step
 
@@ -350,8 +351,8 @@ def test_images_encoded_between_decode_steps_leave_both_answers_unchanged(vlm, m
                                                 ("image", image_ids, placed, params, 3)], on_step)
     assert (outputs["text"], logprobs["text"]) == (text_alone[0]["text"], text_alone[1]["text"])
     assert (outputs["image"], logprobs["image"]) == (image_alone[0]["image"], image_alone[1]["image"])
-    # first the text before the first image while its first layer runs, nothing more while its second does,
-    # then the first image whole once its projector has run (never a part of it) while the second is encoded
-    assert computed[3] == computed[4] == placed[0].offset
-    assert computed[5] >= placed[0].offset + placed[0].num_tokens
-    assert together.runner.vision.encoder.stages_run == 4  # both towers' layers ran in jobs, one per step
+    # first the text before the first image while its first stage runs, nothing more while its other three
+    # do, then the first image whole once its projector has run (never a part of it) while the second is encoded
+    assert computed[3] == computed[4] == computed[5] == computed[6] == placed[0].offset
+    assert computed[7] >= placed[0].offset + placed[0].num_tokens
+    assert together.runner.vision.encoder.stages_run == 8  # both towers' stages ran in jobs, one per step

@@ -181,9 +181,9 @@ def test_disk_tier_serves_a_repeated_image_and_never_another(vlm, tmp_path):
 
 def test_an_image_is_encoded_between_decode_steps_and_answers_are_unchanged(vlm, monkeypatch):
     """An image request arriving while another request decodes: with no time to spare per step, its tower runs
-    one block per step (3 blocks, then the merger), the decoding stream gets its token every step meanwhile,
-    the image's tokens are scheduled only once its embeddings are ready, and both answers (tokens and
-    logprobs) are what each request gives alone."""
+    one stage per step (each of 3 blocks' attention, then its MLP; then the merger), the decoding stream gets
+    its token every step meanwhile, the image's tokens are scheduled only once its embeddings are ready, and
+    both answers (tokens and logprobs) are what each request gives alone."""
     import sudu.engine.vision_inputs as vision_inputs
     from sudu.config import EngineConfig
     from sudu.engine.llm_engine import LLMEngine
@@ -206,10 +206,10 @@ def test_an_image_is_encoded_between_decode_steps_and_answers_are_unchanged(vlm,
     text_alone = step_requests(first, [("text", text_ids, (), params, 0)])
     image_alone = step_requests(engine(), [("image", image_ids, placed, params, 0)])
 
-    monkeypatch.setattr(vision_inputs, "encode_allowance", lambda scheduler: 0.0)  # one block per step
+    monkeypatch.setattr(vision_inputs, "encode_allowance", lambda scheduler: 0.0)  # one stage per step
     together = engine()
     encoder = together.runner.vision.encoder
-    seen = []  # per step: (blocks run so far, the text request's tokens, whether the image request has a token)
+    seen = []  # per step: (stages run so far, the text request's tokens, whether the image request has a token)
 
     def on_step(engine, step):
         seen.append((encoder.stages_run, len(engine.requests["text"].seqs[0].output_token_ids)
@@ -220,14 +220,14 @@ def test_an_image_is_encoded_between_decode_steps_and_answers_are_unchanged(vlm,
                                    on_step)
     assert outputs["text"] == text_alone[0]["text"] and logprobs["text"] == text_alone[1]["text"]
     assert outputs["image"] == image_alone[0]["image"] and logprobs["image"] == image_alone[1]["image"]
-    # the image came at step 3 with the text request decoding: one tower block per step from then on, the text
+    # the image came at step 3 with the text request decoding: one tower stage per step from then on, the text
     # request's token count growing by one each of those steps, and the image request's first token only after
-    # the merger ran (the step after the last block)
-    blocks = [b for b, _, _ in seen]
-    assert blocks[:3] == [0, 0, 0] and blocks[3:6] == [1, 2, 3]
+    # the merger ran (the step after the last stage)
+    stages = [b for b, _, _ in seen]
+    assert stages[:3] == [0, 0, 0] and stages[3:9] == [1, 2, 3, 4, 5, 6]
     tokens = [t for _, t, _ in seen]
-    assert [b - a for a, b in zip(tokens[2:6], tokens[3:7])] == [1, 1, 1, 1]
-    assert not any(has for _, _, has in seen[:7])
+    assert [b - a for a, b in zip(tokens[2:9], tokens[3:10])] == [1] * 7
+    assert not any(has for _, _, has in seen[:10])
     assert encoder.jobs == {} and encoder.done == {}  # nothing held once the image was read
 
 

@@ -56,7 +56,12 @@ class SiglipEncoderLayer(nn.Module):
         self.mlp = SiglipMLP(dim, v["intermediate_size"], v.get("hidden_act", "gelu_pytorch_tanh"))
 
     def forward(self, x):
+        return run_stages(self.stages(x))
+
+    def stages(self, x) -> EncodeStages:
+        """forward, paused between its attention and its MLP."""
         x = x + self.self_attn(self.layer_norm1(x))
+        yield
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -91,10 +96,10 @@ class SiglipVisionModel(nn.Module):
         return run_stages(self.stages(pixels))
 
     def stages(self, pixels: torch.Tensor) -> EncodeStages:
-        """forward, paused after each encoder layer."""
+        """forward, paused after each encoder layer's attention and after its MLP."""
         x = self.embeddings(pixels)
         for layer in self.encoder.layers:
-            x = layer(x)
+            x = yield from layer.stages(x)
             yield
         return self.post_layernorm(x)
 

@@ -110,7 +110,12 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(v["hidden_size"], v["intermediate_size"], v.get("hidden_act", "silu"))
 
     def forward(self, x, cos, sin, bounds):
+        return run_stages(self.stages(x, cos, sin, bounds))
+
+    def stages(self, x, cos, sin, bounds) -> EncodeStages:
+        """forward, paused between its attention and its MLP."""
         x = x + self.attn(self.norm1(x), cos, sin, bounds)
+        yield
         return x + self.mlp(self.norm2(x))
 
 
@@ -159,7 +164,7 @@ class VisionTransformer(nn.Module):
         return run_stages(self.stages(pixels, grids))
 
     def stages(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> EncodeStages:
-        """forward, paused after each block."""
+        """forward, paused after each block's attention and after its MLP."""
         unit = self.merge * self.merge
         x = self.patch_embed(pixels)
         n = x.shape[0]
@@ -174,7 +179,7 @@ class VisionTransformer(nn.Module):
         emb = torch.cat((angles, angles), -1)
         cos, sin = emb.cos(), emb.sin()
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full_bounds if i in self.full_blocks else window_bounds)
+            x = yield from block.stages(x, cos, sin, full_bounds if i in self.full_blocks else window_bounds)
             yield
         return self.merger(x)[torch.argsort(order)]
 
