@@ -1,6 +1,7 @@
 """A decoding stream's inter-token latency (ITL) while another request's image is encoded: the vision tower run
-a block at a time between steps (sudu's default, engine/image_encoding.py) against the whole tower at once before
-the step that reads the image, side by side in one process, rounds alternating.
+a stage (a block's attention, or its MLP) at a time between steps (sudu's default, engine/image_encoding.py)
+against the whole tower at once before the step that reads the image, side by side in one process, rounds
+alternating.
 
 The model: Gemma 3 with the 4B-27B checkpoints' SigLIP tower shape (896 x 896 pixels, 4,096 patches, hidden
 1152; --depth of its 27 layers) and a small text model, random weights (speed does not depend on their values),
@@ -97,7 +98,7 @@ def main() -> None:
                                         num_threads=args.threads, encoder_cache_memory=0, speculative="none",
                                         kv_cache_memory=256 << 20), progress=False)
         spread = vision_inputs.encode_allowance
-        modes = {"whole tower at once": lambda scheduler: None, "a block at a time (default)": spread}
+        modes = {"whole tower at once": lambda scheduler: None, "a stage at a time (default)": spread}
         results = {name: [] for name in modes}
         one_round(engine, 10_000, args.lead)  # warm-up: first calls page in and build what later ones reuse
         for r in range(args.rounds):
@@ -114,7 +115,7 @@ def main() -> None:
     for name, m in med.items():
         print(f"  {name}: text stream's largest gap {m['max_itl'] * 1e3:.0f} ms, median gap "
               f"{m['median_itl'] * 1e3:.0f} ms; image-to-first-token {m['ttft'] * 1e3:.0f} ms")
-    whole, chunked = med["whole tower at once"], med["a block at a time (default)"]
+    whole, chunked = med["whole tower at once"], med["a stage at a time (default)"]
     print(f"largest gap whole / spread: {whole['max_itl'] / chunked['max_itl']:.1f}x; "
           f"image-to-first-token spread / whole: {chunked['ttft'] / whole['ttft']:.2f}x")
 

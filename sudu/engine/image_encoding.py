@@ -1,10 +1,10 @@
-"""Images encoded a tower block at a time between steps, so that decoding streams keep their inter-token
+"""Images encoded a tower stage at a time between steps, so that decoding streams keep their inter-token
 latency while a new request's image is encoded.
 
 Every image that a queued or running sequence still has to compute, and that the encoder cache does not hold,
-gets a job: the model's `encode_stages` (layers/vision.py), advanced one tower block at a time, oldest job
-first. Before each step the engine gives the jobs an allowance of time: while sequences decode, what a prompt
-chunk gets beside them (`--max-itl-factor` - 1 decode steps, the scheduler's ChunkBudget), at least one block
+gets a job: the model's `encode_stages` (layers/vision.py), advanced one stage (a tower block's attention, or
+its MLP) at a time, oldest job first. Before each step the engine gives the jobs an allowance of time: while sequences decode, what a prompt
+chunk gets beside them (`--max-itl-factor` - 1 decode steps, the scheduler's ChunkBudget), at least one stage
 so that an encoding always advances; while nothing decodes, all the time they need (no stream's latency to
 keep, so the image is ready for the step that reads it). A prompt chunk stops before an image whose
 embeddings are not ready (the scheduler asks `ready`); the text before it goes on.
@@ -68,7 +68,7 @@ class ImageEncoder:
         self.jobs: OrderedDict[bytes, EncodeStages] = OrderedDict()
         # finished embeddings, kept until a step reads them: the cache may not hold them (full, or size 0)
         self.done: dict[bytes, torch.Tensor] = {}
-        self.stages_run = 0  # tower blocks run in jobs (evidence that the encoding was spread)
+        self.stages_run = 0  # tower stages run in jobs (evidence that the encoding was spread)
 
     def ready(self, image: ImageInput) -> bool:
         return image.content_hash in self.done or image.content_hash in self.cache.entries
@@ -98,7 +98,7 @@ class ImageEncoder:
                 self.jobs[key] = self.model.encode_stages(pixels, [image.grid_thw])
 
     def advance(self, allowance_s: float | None) -> None:
-        """Run the jobs' blocks, oldest job first, until allowance_s has passed (at least one block), or
+        """Run the jobs' stages, oldest job first, until allowance_s has passed (at least one stage), or
         every job has finished (allowance_s None)."""
         start = time.perf_counter()
         while self.jobs:

@@ -1,8 +1,8 @@
 """Vision towers' attention: bidirectional attention within segments of a packed sequence of patches (one image,
 or one window of an image), every patch attending to every patch of its segment and to nothing else. Segments
 of equal length run as one batched call, so an image cut into many equal windows costs a few calls, not one per
-window. And the towers' stages: a tower's forward written as a generator that pauses after each block
-(`EncodeStages`), so that an engine can spread one image's encoding over several steps (engine/image_encoding.py);
+window. And the towers' stages: a tower's forward written as a generator that pauses after each block's
+attention and after its MLP (`EncodeStages`), so that an engine can spread one image's encoding over several steps (engine/image_encoding.py);
 `run_stages` runs them back to back, which is what a plain call does."""
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds:
     return out
 
 
-# a tower's encoding, paused after each block: next() runs the next block; the embeddings are its return value
+# a tower's encoding, paused after each stage (a block's attention, its MLP): next() runs the next one; the
+# embeddings are its return value
 EncodeStages = Generator[None, None, torch.Tensor]
 
 
