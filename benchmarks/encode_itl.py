@@ -68,7 +68,8 @@ def one_round(engine: LLMEngine, seed: int, lead: int) -> dict:
     for _ in range(lead):
         engine.step()
     arrived = last = time.perf_counter()
-    engine.add_request(f"image-{seed}", engine.check_request(ids, SamplingParams(temperature=0.0, max_tokens=1), placed))
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
+    engine.add_request(f"image-{seed}", engine.check_request(ids, one_token, placed))
     gaps, first_token = [], None
     while first_token is None:
         for out in engine.step():

@@ -3,11 +3,11 @@ latency while a new request's image is encoded.
 
 Every image that a queued or running sequence still has to compute, and that the encoder cache does not hold,
 gets a job: the model's `encode_stages` (layers/vision.py), advanced one stage (a tower block's attention, or
-its MLP) at a time, oldest job first. Before each step the engine gives the jobs an allowance of time: while sequences decode, what a prompt
-chunk gets beside them (`--max-itl-factor` - 1 decode steps, the scheduler's ChunkBudget), at least one stage
-so that an encoding always advances; while nothing decodes, all the time they need (no stream's latency to
-keep, so the image is ready for the step that reads it). A prompt chunk stops before an image whose
-embeddings are not ready (the scheduler asks `ready`); the text before it goes on.
+its MLP) at a time, oldest job first. Before each step the engine gives the jobs an allowance of time: while
+sequences decode, what a prompt chunk gets beside them (`--max-itl-factor` - 1 decode steps, the scheduler's
+ChunkBudget), at least one stage so that an encoding always advances; while nothing decodes, all the time they
+need (no stream's latency to keep, so the image is ready for the step that reads it). A prompt chunk stops
+before an image whose embeddings are not ready (the scheduler asks `ready`); the text before it goes on.
 
 The stages are the very computation of one call (`encode_images` runs them back to back), so an image's
 embeddings are the same bits however its encoding was spread over steps.
