@@ -2,8 +2,8 @@
 or one window of an image), every patch attending to every patch of its segment and to nothing else. Segments
 of equal length run as one batched call, so an image cut into many equal windows costs a few calls, not one per
 window. And the towers' stages: a tower's forward written as a generator that pauses after each block's
-attention and after its MLP (`EncodeStages`), so that an engine can spread one image's encoding over several steps (engine/image_encoding.py);
-`run_stages` runs them back to back, which is what a plain call does."""
+attention and after its MLP (`EncodeStages`), so that an engine can spread one image's encoding over several
+steps (engine/image_encoding.py); `run_stages` runs them back to back, which is what a plain call does."""
 from __future__ import annotations
 
 from collections.abc import Generator
