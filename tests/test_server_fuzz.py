@@ -2,7 +2,9 @@
 generated bodies to every route, valid ones (positive) and invalid ones (the negative-data phase), and
 then chains calls through the schema's OpenAPI links (the stateful phase: the served model's id into
 a completion, an answer into the next turn, a response id into a continued Responses conversation).
-The agent APIs (/v1/messages, /v1/responses) are fuzzed like the chat routes. None may get a 5xx, and the server keeps serving. The
+The agent APIs (/v1/messages, /v1/responses) are fuzzed like the chat routes, and the three chat routes again
+against a vision-language model, with image parts in the generated bodies. None may get a 5xx, and the server
+keeps serving. The
 engine is real (the tiny model with a 64-token context keeps each generation short), because a 5xx
 would most likely come from a sampling corner reached through odd but valid parameters."""
 from __future__ import annotations
@@ -99,3 +101,58 @@ def test_stateful_chains_find_no_server_errors(live):
     assert not failures, failures[:5]
     assert COMPLETION_ROUTES & set(transitions)  # calls really were chained through the links
     assert live.thread.is_alive()
+
+
+VISION_ROUTES = COMPLETION_ROUTES - {"POST /v1/completions"}  # the routes whose messages take images
+
+
+@pytest.fixture(scope="module")
+def live_vlm(tmp_path_factory):
+    from sudu.engine.async_engine import AsyncLLMEngine
+    from tests.helpers.tiny_vlm import save_tiny_vlm
+
+    model_dir, _ = save_tiny_vlm(tmp_path_factory.mktemp("fuzz_vlm") / "model")
+    config = EngineConfig(model=str(model_dir), max_model_len=256, max_num_seqs=8, kv_cache_memory=8 << 20)
+    with LiveServer(build_app(AsyncLLMEngine(config), served_model_name="tiny-vl")) as server:
+        yield server
+
+
+def _has_image_part(body) -> bool:
+    """Whether a generated body carries an image part anywhere (chat, Messages or Responses shape)."""
+    if isinstance(body, dict):
+        if body.get("type") in ("image_url", "image", "input_image"):
+            return True
+        return any(_has_image_part(v) for v in body.values())
+    if isinstance(body, list):
+        return any(_has_image_part(v) for v in body)
+    return False
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
+def test_fuzzed_image_parts_find_no_server_errors(live_vlm, mode):
+    """A vision-language model's chat routes, fuzzed: generated bodies carry image parts (random data: URLs,
+    other schemes, odd base64 and media types); each gets an answer or a 4xx, never a 5xx, and the server
+    keeps serving. The run must have sent image parts, or it proves nothing about them."""
+    failures, with_images = [], 0
+    for result in _schema(live_vlm.url).get_all_operations():
+        operation = result.ok()
+        if operation.label not in VISION_ROUTES:
+            continue
+        strategy = operation.as_strategy(generation_mode=mode)
+        if mode is GenerationMode.POSITIVE:
+            strategy = strategy.map(_use_served_model)
+
+        @given(case=strategy)
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        def run(case):
+            nonlocal with_images
+            with_images += _has_image_part(case.body)
+            response = case.call(timeout=60)
+            if response.status_code >= 500:
+                failures.append((operation.label, response.status_code, case.body, response.text[:300]))
+
+        run()
+    assert not failures, failures[:5]
+    assert with_images > 0
+    assert live_vlm.thread.is_alive()
