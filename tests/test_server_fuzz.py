@@ -4,9 +4,8 @@ then chains calls through the schema's OpenAPI links (the stateful phase: the se
 a completion, an answer into the next turn, a response id into a continued Responses conversation).
 The agent APIs (/v1/messages, /v1/responses) are fuzzed like the chat routes, and the three chat routes again
 against a vision-language model, with image parts in the generated bodies. None may get a 5xx, and the server
-keeps serving. The
-engine is real (the tiny model with a 64-token context keeps each generation short), because a 5xx
-would most likely come from a sampling corner reached through odd but valid parameters."""
+keeps serving. The engine is real (the tiny model with a 64-token context keeps each generation short),
+because a 5xx would most likely come from a sampling corner reached through odd but valid parameters."""
 from __future__ import annotations
 
 import pytest
