@@ -162,6 +162,14 @@ class Scheduler:
         self.waiting.append(seq)
         self.num_preemptions += 1
 
+    def _fit_images(self, seq: Sequence, n: int) -> int:
+        """The chunk of n new tokens fitted to seq's images: never ending inside one whose tokens attend both
+        ways, never reaching one whose embeddings are not ready."""
+        n = keep_images_whole(seq, n) if n else 0
+        if seq.images and self.image_ready is not None:
+            n = stop_before_unready(seq, n, self.image_ready)
+        return n
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -178,19 +186,13 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             if n > 1:
-                n = min(n, prefill_budget)
-                if n == 0:
-                    i += 1
-                    continue
-                n = keep_images_whole(seq, n)
+                n = self._fit_images(seq, min(n, prefill_budget))
                 prefill_budget -= n
-            elif seq.image_spans:
-                n = keep_images_whole(seq, n)
-            if seq.images and self.image_ready is not None:
-                n = stop_before_unready(seq, n, self.image_ready)
-                if n == 0:
-                    i += 1
-                    continue
+            elif seq.images:
+                n = self._fit_images(seq, n)
+            if n == 0:  # no prompt budget left, or its next image is still being encoded
+                i += 1
+                continue
             while not bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -213,12 +215,10 @@ class Scheduler:
             if prefill_budget <= 0:
                 break
             cached = bm.match_prefix(seq)
-            n = keep_images_whole(seq, min(seq.num_uncomputed_tokens, budget, prefill_budget))
-            if seq.images and self.image_ready is not None:
-                n = stop_before_unready(seq, n, self.image_ready)
-                if n == 0:  # its image is still being encoded: the others may start meanwhile
-                    bm.free_sequence(seq)
-                    continue
+            n = self._fit_images(seq, min(seq.num_uncomputed_tokens, budget, prefill_budget))
+            if n == 0:  # its image is still being encoded: the others may start meanwhile
+                bm.free_sequence(seq)
+                continue
             if not bm.can_allocate(seq, n):
                 bm.free_sequence(seq)  # first come, first served: nobody overtakes it
                 break
