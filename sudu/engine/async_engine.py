@@ -182,7 +182,8 @@ class AsyncLLMEngine:
             # start at once on the engine's real queue (a free slot, no prompt ahead) is admitted whatever was
             # promised: refusing it would only idle the engine, and the promises' owners still go first when
             # they come back
-            prediction = predict(self._promises.ahead(now, self.config.max_queue_wait))
+            due_soon = self._promises.ahead(now, self.config.max_queue_wait)
+            prediction = predict(due_soon)
             if not prediction.admitted and len(self._promises):
                 now_alone = predict(())
                 if now_alone.queue_s == 0.0:
@@ -191,13 +192,13 @@ class AsyncLLMEngine:
             if not prediction.admitted and promise is not None and rates.turn_s is not None:
                 # a client back at its turn is judged at the pace its turn was placed by: the requests not yet
                 # started ahead of it at the measured seconds per first token, then its own prompt, held to
-                # PROMISE_SLACK x the limit. The per-request model, which admission holds
-                # new arrivals to, overestimates a full engine's queue; a promise should not fail on that. A
-                # queue that did grow past the slack (the engine fell behind its pace) still refuses it
-                promised = self._promises.ahead(now, self.config.max_queue_wait)
-                key_now = new.key(now, self.config.priority_aging_s)
+                # PROMISE_SLACK x the limit. The per-request model, which admission holds new arrivals to,
+                # overestimates a full engine's queue; a promise should not fail on that. A queue that did grow
+                # past the slack (the engine fell behind its pace) still refuses it
+                aging_s = self.config.priority_aging_s
+                key_now = new.key(now, aging_s)
                 unstarted = sum(1 for s in base.running if s.output_tokens == 0) + sum(
-                    1 for s in base.waiting + transit + promised if s.key(now, self.config.priority_aging_s) < key_now)
+                    1 for s in base.waiting + transit + due_soon if s.key(now, aging_s) < key_now)
                 paced = unstarted * rates.turn_s
                 own = (prediction.wait_s or 0.0) - (prediction.queue_s or 0.0)  # its own prompt's time
                 if paced + own <= PROMISE_SLACK * limit:
