@@ -44,29 +44,38 @@ def _use_served_model(case):
     return case
 
 
+def _fuzz(operation, mode, observe) -> None:
+    """MAX_EXAMPLES generated cases of one operation (valid ones, with the served model, or invalid ones, by
+    mode) sent to the server; observe(case, response) sees each."""
+    strategy = operation.as_strategy(generation_mode=mode)
+    if mode is GenerationMode.POSITIVE:
+        strategy = strategy.map(_use_served_model)
+
+    @given(case=strategy)
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    def run(case):
+        observe(case, case.call(timeout=60))
+
+    run()
+
+
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
 def test_fuzz_finds_no_server_errors(live, mode):
     failures = []
     ok_labels, tried_labels = set(), set()
     for result in _schema(live.url).get_all_operations():
         operation = result.ok()
-        strategy = operation.as_strategy(generation_mode=mode)
-        if mode is GenerationMode.POSITIVE:
-            strategy = strategy.map(_use_served_model)
 
-        @given(case=strategy)
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        def run(case):
-            response = case.call(timeout=60)
-            tried_labels.add(operation.label)
+        def observe(case, response, label=operation.label):
+            tried_labels.add(label)
             if response.status_code == 200:
-                ok_labels.add(operation.label)
+                ok_labels.add(label)
             if response.status_code >= 500:
-                failures.append((operation.label, response.status_code, case.body, response.text[:300]))
+                failures.append((label, response.status_code, case.body, response.text[:300]))
 
         try:
-            run()
+            _fuzz(operation, mode, observe)
         except Unsatisfiable:  # no invalid input exists for a route without parameters (GET /health)
             assert mode is GenerationMode.NEGATIVE and operation.label not in COMPLETION_ROUTES
     assert not failures, failures[:5]
@@ -137,21 +146,14 @@ def test_fuzzed_image_parts_find_no_server_errors(live_vlm, mode):
         operation = result.ok()
         if operation.label not in VISION_ROUTES:
             continue
-        strategy = operation.as_strategy(generation_mode=mode)
-        if mode is GenerationMode.POSITIVE:
-            strategy = strategy.map(_use_served_model)
 
-        @given(case=strategy)
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        def run(case):
+        def observe(case, response, label=operation.label):
             nonlocal with_images
             with_images += _has_image_part(case.body)
-            response = case.call(timeout=60)
             if response.status_code >= 500:
-                failures.append((operation.label, response.status_code, case.body, response.text[:300]))
+                failures.append((label, response.status_code, case.body, response.text[:300]))
 
-        run()
+        _fuzz(operation, mode, observe)
     assert not failures, failures[:5]
     assert with_images > 0
     assert live_vlm.thread.is_alive()
