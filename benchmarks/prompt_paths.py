@@ -99,16 +99,20 @@ def attention(args) -> None:
 
     for T in (int(t) for t in args.tokens.split(",")):
         q, k, v = torch.randn(T, H, D), torch.randn(T, Hk, D), torch.randn(T, Hk, D)
-        out = torch.empty(T, H, D)
+        out, none, slots = torch.empty(T, H, D), torch.empty(0), torch.arange(T)
         qs, ks, vs = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         ke, ve = ks.repeat_interleave(H // Hk, 1), vs.repeat_interleave(H // Hk, 1)
         qb, kb, vb = qs.bfloat16(), ks.bfloat16(), vs.bfloat16()
         paths = {
-            "native": lambda: ext.prompt_attention(q, k, v, out, 0, 0, D ** -0.5),
+            "native": lambda: ext.prompt_attention(q, k, v, none, none, slots, out, 0, 0, D ** -0.5, False),
+            "native, bfloat16 tiles": lambda: ext.prompt_attention(q, k, v, none, none, slots, out, 0, 0, D ** -0.5,
+                                                                   True),
             "SDPA, heads expanded": lambda: F.scaled_dot_product_attention(qs, ke, ve, is_causal=True),
             "SDPA, grouped heads": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
             "SDPA bf16, grouped heads": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True),
         }
+        if not ext.bf16_tiles_granted():
+            del paths["native, bfloat16 tiles"]
         flops = 2 * H * T * T * D  # QK^T and PV over the causal half
         print(f"  {T} tokens: " + "; ".join(
             f"{name} {ms:.2f} ms ({flops / ms / 1e6:.0f})" for name, ms in ((n, median_ms(f)) for n, f in paths.items())),

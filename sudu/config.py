@@ -34,6 +34,12 @@ class EngineConfig:
     # float16 (bfloat16 if the model's K/V values are too large for it); elsewhere the compute dtype
     # (engine/kv_choice.py)
     kv_cache_dtype: str = "auto"
+    # attention's arithmetic on the CPU: auto | float32 | bfloat16 (engine/attention_choice.py). bfloat16: the
+    # products on AMX's bfloat16 tiles (queries, keys, weights and values rounded to bfloat16, float32 sums),
+    # about 3x faster at depth; float32: float32 throughout. Either is one recipe for every row, so neither
+    # changes an answer with batching, chunking or caching. auto: bfloat16 where the CPU has the tiles and
+    # the KV pool is not float32 (a float32 pool asks for float32 numbers), else float32
+    attention_arithmetic: str = "auto"
     block_size: int = 16  # tokens per KV block
     # models with sliding-window layers (gemma3): "ring" keeps only each sequence's window for those
     # layers (far less memory; no prefix cache for such models), "full" keeps every position (prefix cache on)
@@ -143,6 +149,9 @@ class EngineConfig:
             raise ValueError(f"sliding_window_kv must be ring or full, got {self.sliding_window_kv!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16, bfloat16 or int8, got {self.kv_cache_dtype!r}")
+        if self.attention_arithmetic not in ("auto", "float32", "bfloat16"):
+            raise ValueError("attention_arithmetic must be auto, float32 or bfloat16, "
+                             f"got {self.attention_arithmetic!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if str(self.disk_cache_size).strip().lower() not in ("auto", "off"):

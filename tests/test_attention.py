@@ -190,11 +190,11 @@ def test_prompt_kernel_rejects_bad_shapes():
     ext = kernels.load()
     q, pool, out, none = torch.randn(10, 4, 16), torch.randn(12, 2, 16), torch.empty(10, 4, 16), torch.empty(0)
     with pytest.raises(RuntimeError, match="last of the keys"):
-        ext.prompt_attention(q, pool, pool, none, none, torch.arange(12), out, 5, 0, 0.25)  # 5 + 10 > 12 keys
+        ext.prompt_attention(q, pool, pool, none, none, torch.arange(12), out, 5, 0, 0.25, False)  # 5 + 10 > 12
     with pytest.raises(RuntimeError, match="multiple of 8"):
         pool12 = torch.randn(12, 2, 12)
         ext.prompt_attention(torch.randn(10, 4, 12), pool12, pool12, none, none, torch.arange(12),
-                             torch.empty(10, 4, 12), 2, 0, 0.25)
+                             torch.empty(10, 4, 12), 2, 0, 0.25, False)
 
 
 @pytest.mark.skipif(kernels.load() is None or not kernels.load().cpu_has_avx512(),

@@ -53,6 +53,8 @@ def model_dirs(tmp_path_factory):
 
     write_tiny_gguf(root / "qwen2.gguf", "qwen2")
     dirs["qwen2-gguf"] = root / "qwen2.gguf"
+    for arch in ("qwen2", "gemma3"):  # heads of 32: the bfloat16 tiles take them
+        dirs[f"{arch}-hd32"] = save_tiny_model(root / f"{arch}-hd32", arch, head_dim=32)
     return dirs
 
 
@@ -77,9 +79,21 @@ def reference(engines, model: str, fmt: str, prompts, params=GREEDY) -> list:
     return [answers(llm.generate([p], params))[0] for p in prompts]
 
 
+def bf16_tiles() -> bool:
+    ext = kernels.load()
+    return ext is not None and ext.bf16_tiles_granted()
+
+
+# attention's two arithmetics (engine/attention_choice.py); the bfloat16 tiles only where the CPU has them,
+# and the test says so where it does not
+ARITHMETICS = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not bf16_tiles(), reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant them)"))]
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
 @pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("window,ring", [(None, False), (8, False), (8, True), (100, True)])
-def test_attention_row_is_the_same_in_every_kernel_and_chunking(kind, window, ring):
+def test_attention_row_is_the_same_in_every_kernel_and_chunking(kind, window, ring, arithmetic):
     """Every query row of a 150-position sequence, computed by the prompt kernel in one chunk, in chunks over
     cached keys, and by the decode kernel one row at a time, beside other sequences and as verification-like
     runs of 5: bit-identical. With `ring`, a sliding layer's own key list that starts past position 0."""
@@ -87,8 +101,9 @@ def test_attention_row_is_the_same_in_every_kernel_and_chunking(kind, window, ri
     from sudu.layers.kv_cache import make_kv_cache
 
     g = torch.Generator().manual_seed(3)
-    n, heads, kv_heads, dim = 150, 4, 2, 16
+    n, heads, kv_heads, dim = 150, 4, 2, 16 if arithmetic == "float32" else 32
     cache = make_kv_cache(kind, 256, kv_heads, dim, torch.float32)
+    cache.bf16_tiles = arithmetic == "bfloat16"
     if kind == "int8":
         cache.set_range(0.5 + 3.5 * torch.rand(kv_heads, dim, generator=g), 0.5 + 3.5 * torch.rand(kv_heads, dim, generator=g))
     slots = torch.randperm(256, generator=g)[:n]
@@ -138,6 +153,34 @@ def test_rows_do_not_depend_on_batch_or_chunks(engines, model, fmt):
     assert answers(llm.generate(prompts, GREEDY)) == ref  # 16 prompts, one chunk each (2,048 budget)
     for budget in (16, 64):
         assert answers(engines(model, fmt, max_num_batched_tokens=budget).generate(prompts, GREEDY)) == ref, budget
+
+
+@pytest.mark.skipif(not bf16_tiles(), reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant them)")
+@pytest.mark.parametrize("model", ["qwen2-hd32", "gemma3-hd32"])
+def test_bf16_tile_attention_keeps_every_answer(engines, model):
+    """The bfloat16-tile arithmetic (auto's choice on an AMX machine for a float16 pool) gives each request
+    the answer it gets alone: in batches, in chunks of 16, over a cached prefix and under n-gram speculation."""
+    prompts = prompts_of(LENGTHS, seed=6)
+    llm = engines(model, "int8")
+    assert llm.engine.runner.attention_arithmetic == "bfloat16"  # auto took the tiles: the test tests them
+    ref = reference(engines, model, "int8", prompts)
+    assert answers(llm.generate(prompts, GREEDY)) == ref
+    assert answers(engines(model, "int8", max_num_batched_tokens=16).generate(prompts, GREEDY)) == ref
+    cached = engines(model, "int8", enable_prefix_caching=True, sliding_window_kv="full")
+    cached.generate([p[:len(p) // 2] for p in prompts], SamplingParams(max_tokens=1))
+    got = cached.generate(prompts, GREEDY)
+    assert sum(r.num_cached_tokens for r in got) > 0
+    assert answers(got) == ref
+    spec = engines(model, "int8", speculative="ngram", speculative_max_batch=64)
+    assert answers(spec.generate(prompts, GREEDY)) == ref
+    assert spec.engine.speculator.num_draft_tokens > 0
+    # float32 is the other recipe: its logprobs differ from the tiles' (so the tiles really ran above), and it
+    # is invariant on its own
+    f32 = engines(model, "int8", attention_arithmetic="float32")
+    assert f32.engine.runner.attention_arithmetic == "float32"
+    alone = [answers(f32.generate([p], GREEDY))[0] for p in prompts[:5]]
+    assert answers(f32.generate(prompts[:5], GREEDY)) == alone
+    assert alone != ref[:5]
 
 
 SPLITS = [16, 32, 20, 40, 64]  # 1 and 2 blocks, mid-block, all but the last token (prompts of 65)

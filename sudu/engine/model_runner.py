@@ -11,6 +11,7 @@ import torch
 
 from sudu.config import EngineConfig, default_num_threads
 from sudu.cuda.step import CudaStep, uses_cuda_path
+from sudu.engine import attention_choice
 from sudu.engine.text_eval import final_hidden, forward_text
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.engine.placement import resolve_device, resolve_dtype
@@ -183,6 +184,9 @@ class ModelRunner:
             blocks = self.sliding_blocks.num_blocks if i in ring_layers else self.num_blocks
             self.kv_caches.append(make_kv_cache(config.kv_cache_dtype, (blocks + scratch) * self.block_size,
                                                 kv_heads, k_dim, self.dtype, self.device, v_dim))
+        self.attention_arithmetic = attention_choice.resolve(config.attention_arithmetic, self.device,
+                                                             self.kv_caches[0].k.dtype, k_dim, v_dim or k_dim)
+        attention_choice.apply(self.kv_caches, self.attention_arithmetic)
         if config.kv_cache_dtype == "int8" and kv_ranges is not None:
             set_int8_ranges(self.kv_caches, kv_ranges)
         elif config.kv_cache_dtype == "int8":

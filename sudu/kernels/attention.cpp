@@ -38,8 +38,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "attention_tiles.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -90,6 +92,14 @@ struct SeqKV {
   const KV* k(int64_t j) const { return kc + (slots[j] * Hkv + g) * D; }
   const KV* v(int64_t j) const { return vc + (slots[j] * Hkv + g) * D; }
 };
+
+template <typename KV>
+constexpr atiles::Pool pool_of() {
+  if constexpr (std::is_same_v<KV, float>) return atiles::Pool::F32;
+  if constexpr (std::is_same_v<KV, at::Half>) return atiles::Pool::F16;
+  if constexpr (std::is_same_v<KV, at::BFloat16>) return atiles::Pool::BF16;
+  return atiles::Pool::I8;
+}
 
 // s[r][c0 .. c0 + 16) = qs[r] . key c0 + j, for RB query rows (qs rows of D floats), the keys' block
 // transposed in kt [D][KB]: one fused multiply-add chain over d per score.
@@ -227,8 +237,14 @@ struct Scratch {
 // Rows w.q[r] (one query head each, D floats) over their spans [w.lo[r], w.hi[r]) of the sequence's keys, into
 // w.out[r]: the row recipe of the header. ks / vs: an int8 pool's scales for this kv head, else null.
 template <typename KV>
-void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, const float* vs, Scratch& w) {
+void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, const float* vs, Scratch& w,
+                 bool tiles) {
   const int64_t D = kv.D;
+  if (tiles) {
+    const atiles::Keys keys{kv.kc, kv.vc, pool_of<KV>(), kv.slots, kv.Hkv, D, kv.g};
+    atiles::attend_rows(keys, atiles::Rows{R, w.q.data(), w.out.data(), w.lo.data(), w.hi.data()}, scale, ks, vs);
+    return;
+  }
   const bool wide = kernel_options().attention512;
   const bool wide_values = wide && D % 16 == 0;
   int64_t jlo = std::numeric_limits<int64_t>::max(), jhi = 0;
@@ -334,7 +350,7 @@ void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, c
 template <typename KV>
 void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, const KV* vc, const float* ks,
                  const float* vs, int64_t Hkv, int64_t D, const int64_t* rows, int64_t B, int64_t Q,
-                 const int64_t* slots, int64_t L, const bool* mask, int64_t H, float scale, float* out) {
+                 const int64_t* slots, int64_t L, const bool* mask, int64_t H, float scale, float* out, bool tiles) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     Scratch w;
@@ -359,7 +375,7 @@ void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, co
         }
       }
       const SeqKV<KV> kv{kc, vc, slots + b * L, Hkv, D, g};
-      attend_rows(kv, R, scale, ks ? ks + g * D : nullptr, vs ? vs + g * D : nullptr, w);
+      attend_rows(kv, R, scale, ks ? ks + g * D : nullptr, vs ? vs + g * D : nullptr, w, tiles);
     }
   });
 }
@@ -367,16 +383,19 @@ void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, co
 template <typename KV>
 void prompt_impl(const float* q, int64_t q_row, int64_t q_head, float* out, int64_t o_row, int64_t o_head,
                  const KV* kc, const KV* vc, const float* ks, const float* vs, int64_t Hkv, int64_t D,
-                 const int64_t* slots, int64_t T, int64_t L, int64_t H, int64_t first, int64_t window, float scale) {
-  const int64_t G = H / Hkv, blocks = (T + BQ - 1) / BQ, items = blocks * Hkv;
+                 const int64_t* slots, int64_t T, int64_t L, int64_t H, int64_t first, int64_t window, float scale,
+                 bool tiles) {
+  // the tiles take more positions per item: each item converts its keys and values once for all its rows
+  const int64_t bq = tiles ? 4 * BQ : BQ;
+  const int64_t G = H / Hkv, blocks = (T + bq - 1) / bq, items = blocks * Hkv;
   const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), items);
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
     Scratch w;
-    w.size(BQ * G, D);
+    w.size(bq * G, D);
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t blk = blocks - 1 - it / Hkv, g = it % Hkv;  // latest positions (most keys) first
-      const int64_t i0 = blk * BQ, i1 = std::min(T, i0 + BQ);
+      const int64_t i0 = blk * bq, i1 = std::min(T, i0 + bq);
       int64_t R = 0;
       for (int64_t i = i0; i < i1; ++i)
         for (int64_t hh = 0; hh < G; ++hh, ++R) {
@@ -386,7 +405,7 @@ void prompt_impl(const float* q, int64_t q_row, int64_t q_head, float* out, int6
           w.out[R] = out + i * o_row + (g * G + hh) * o_head;
         }
       const SeqKV<KV> kv{kc, vc, slots, Hkv, D, g};
-      attend_rows(kv, R, scale, ks ? ks + g * D : nullptr, vs ? vs + g * D : nullptr, w);
+      attend_rows(kv, R, scale, ks ? ks + g * D : nullptr, vs ? vs + g * D : nullptr, w, tiles);
     }
   };
   if (threads <= 1)
@@ -403,6 +422,11 @@ std::pair<const float*, const float*> pool_scales(const torch::Tensor& kc, const
               vs.is_contiguous() && ks.numel() == Hkv * D && vs.numel() == ks.numel(),
               "int8 pool needs float32 scales [Hkv, D]");
   return {ks.data_ptr<float>(), vs.data_ptr<float>()};
+}
+
+void check_tiles(bool tiles, int64_t D) {
+  TORCH_CHECK(!tiles || (atiles::granted() && D % 32 == 0),
+              "bfloat16 tiles need AMX's bfloat16 tiles (granted to this process) and a head size that is a multiple of 32");
 }
 
 template <typename F>
@@ -424,7 +448,8 @@ void with_pool(const torch::Tensor& kc, const torch::Tensor& vc, F&& f) {
 // in q / out, -1 = padding); slots int64 [B, L] (each sequence's key slots in position order, block-aligned:
 // see the header); mask bool [B, Q, L] (true = attend; contiguous per row); out [T, H, D] contiguous.
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
-                      torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out) {
+                      torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out,
+                      bool tiles) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1, "q must be float32 [T, H, D]");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat, "bad out");
   TORCH_CHECK(rows.dim() == 2 && slots.dim() == 2 && mask.dim() == 3 && rows.is_contiguous() && slots.is_contiguous() &&
@@ -432,10 +457,11 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
   const int64_t H = q.size(1), D = q.size(2), Hkv = kc.size(1), B = rows.size(0), Q = rows.size(1), L = slots.size(1);
   TORCH_CHECK(kc.size(2) == D && D % 8 == 0 && H % Hkv == 0, "head sizes do not match");
   TORCH_CHECK(slots.size(0) == B && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == L, "metadata shapes");
+  check_tiles(tiles, D);
   const auto [ksp, vsp] = pool_scales(kc, ks, vs, Hkv, D);
   with_pool(kc, vc, [&](auto* k, auto* v) {
     decode_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), k, v, ksp, vsp, Hkv, D, rows.data_ptr<int64_t>(), B, Q,
-                slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale), out.data_ptr<float>());
+                slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale), out.data_ptr<float>(), tiles);
   });
 }
 
@@ -443,7 +469,7 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
 // query i at key index first + i, seeing key j where j <= first + i and, with window > 0, first + i - j <
 // window; slots int64 [L]: the sequence's key slots in position order, block-aligned (see the header).
 void prompt_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
-                      torch::Tensor slots, torch::Tensor out, int64_t first, int64_t window, double scale) {
+                      torch::Tensor slots, torch::Tensor out, int64_t first, int64_t window, double scale, bool tiles) {
   auto check3 = [](const torch::Tensor& t, const char* name) {
     TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat && t.stride(2) == 1 && t.device().is_cpu(),
                 name, " must be float32 [rows, heads, D] on the CPU with unit stride within a head");
@@ -456,10 +482,13 @@ void prompt_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
   TORCH_CHECK(kc.dim() == 3 && kc.size(2) == D && D % 8 == 0 && Hkv > 0 && H % Hkv == 0,
               "the pool must be [S, Hkv, D] with Hkv dividing q's heads and D (q's) a multiple of 8");
   TORCH_CHECK(first >= 0 && first + T <= L && window >= 0, "the queries must be the last of the keys' positions");
+  check_tiles(tiles, D);
   if (T == 0) return;
   const auto [ksp, vsp] = pool_scales(kc, ks, vs, Hkv, D);
   with_pool(kc, vc, [&](auto* k, auto* v) {
     prompt_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), out.data_ptr<float>(), out.stride(0), out.stride(1), k,
-                v, ksp, vsp, Hkv, D, slots.data_ptr<int64_t>(), T, L, H, first, window, float(scale));
+                v, ksp, vsp, Hkv, D, slots.data_ptr<int64_t>(), T, L, H, first, window, float(scale), tiles);
   });
 }
+
+bool bf16_tiles_granted() { return atiles::granted(); }

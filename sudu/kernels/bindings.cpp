@@ -40,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether this CPU has the AVX-512 VNNI path");
   m.def("cpu_has_avx512", &cpu_has_avx512, "whether this CPU has AVX-512F (attention's wide path)");
   m.def("cpu_has_amx", &cpu_has_amx, "whether this CPU has AMX int8 tiles and the OS grants them");
+  m.def("bf16_tiles_granted", &bf16_tiles_granted,
+        "whether this CPU has AMX bfloat16 tiles and the OS grants them (attention's bfloat16-tile arithmetic)");
   m.def("isa", &isa, "the dot-product instruction set the calls use now");
   m.def("decode_attention", &decode_attention, "attention of few new tokens over the paged KV pool, into out",
         py::call_guard<py::gil_scoped_release>());

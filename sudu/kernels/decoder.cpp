@@ -95,11 +95,11 @@ torch::Tensor layer_input(size_t l, torch::Tensor& residual, const torch::Tensor
 torch::Tensor cache_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc,
                                torch::Tensor& vc, const torch::Tensor& ks, const torch::Tensor& vs,
                                const torch::Tensor& slot_mapping, const torch::Tensor& rows, const torch::Tensor& slots,
-                               const torch::Tensor& mask, double scale) {
+                               const torch::Tensor& mask, double scale, bool tiles) {
   write_kv(kc, slot_mapping, k, ks);
   write_kv(vc, slot_mapping, v, vs);
   auto att = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  decode_attention(q, kc, vc, ks, vs, rows, slots, mask, scale, att);
+  decode_attention(q, kc, vc, ks, vs, rows, slots, mask, scale, att, tiles);
   return att.view({q.size(0), q.size(1) * q.size(2)});
 }
 
@@ -118,11 +118,11 @@ torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>
 // A layer with experts (experts[l] = E > 0) has, after its post-attention norm, a router and E experts
 // instead of gate_up / down (moe.cpp sparse_moe: 1 + 4 E tensors, then the shared expert's 5 or 4).
 // k_caches / v_caches: each layer's pool, float32, float16, bfloat16 or int8; k_scales / v_scales: an int8 pool's float32 [Hkv, D]
-// scales (empty tensors for float32 pools); slot_mapping, rows, slots, mask: the step's
+// scales (empty tensors for float32 pools); tiles: attention's bfloat16-tile arithmetic; slot_mapping, rows, slots, mask: the step's
 // AttentionView (decode batch). Returns the final norm of the residual stream [T, hidden].
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales, torch::Tensor slot_mapping, torch::Tensor rows,
+                           std::vector<torch::Tensor> v_scales, bool tiles, torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                            torch::Tensor final_norm, std::vector<int64_t> experts, MoeParams moe) {
@@ -144,7 +144,7 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     rotary_(qkv, cos, sin, heads + kv_heads);
     auto att = cache_and_attend(qkv.narrow(1, 0, heads), qkv.narrow(1, heads, kv_heads),
                                 qkv.narrow(1, heads + kv_heads, kv_heads), k_caches[l], v_caches[l], k_scales[l],
-                                v_scales[l], slot_mapping, rows, slots, mask, scale);
+                                v_scales[l], slot_mapping, rows, slots, mask, scale, tiles);
     auto o = linear(att, weights, at + 3);
     std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 5], eps);
     x = experts[l] ? sparse_moe(h, weights, at + 6, experts[l], moe) : gated_mlp(h, weights, at + 6);
@@ -178,7 +178,7 @@ View view_of(const std::vector<torch::Tensor>& v) {
 // down(gelu_tanh(gate) * up). Returns the final norm of the residual stream [T, hidden].
 torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales, std::vector<int64_t> sliding,
+                           std::vector<torch::Tensor> v_scales, bool tiles, std::vector<int64_t> sliding,
                            std::vector<torch::Tensor> full_view, std::vector<torch::Tensor> sliding_view,
                            torch::Tensor cos_global, torch::Tensor sin_global, torch::Tensor cos_local,
                            torch::Tensor sin_local, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
@@ -201,7 +201,8 @@ torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     const View& v = sliding[l] ? local : full;
     rotary_(qk, sliding[l] ? cos_local : cos_global, sliding[l] ? sin_local : sin_global, H + Hk);
     auto att = cache_and_attend(qk.narrow(1, 0, H), qk.narrow(1, H, Hk), qkv.narrow(1, H + Hk, Hk), k_caches[l],
-                                v_caches[l], k_scales[l], v_scales[l], v.slot_mapping, v.rows, v.slots, v.mask, scale);
+                                v_caches[l], k_scales[l], v_scales[l], v.slot_mapping, v.rows, v.slots, v.mask, scale,
+                                tiles);
     auto o = linear(att, w, at + 5);
     std::tie(residual, h) = add_rms_norm(residual, rms_norm(o, w[at + 7], eps), w[at + 8], eps);
     auto gate_up = linear(h, w, at + 9);

@@ -63,10 +63,15 @@ std::string isa();
 // softmax(q k^T * scale) v over the paged KV pool, every row by one arithmetic (attention.cpp): few new tokens
 // of many sequences (decode_attention), a prompt chunk's new tokens causal from `first` and within `window`
 // keys when > 0 (prompt_attention); into out.
+// tiles: the "bfloat16 tiles" arithmetic (attention_tiles.cpp; needs bf16_tiles_granted() and D a multiple of
+// 32), else float32 (attention.cpp); each is one recipe for every row.
 void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
-                      torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out);
+                      torch::Tensor rows, torch::Tensor slots, torch::Tensor mask, double scale, torch::Tensor out,
+                      bool tiles);
 void prompt_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
-                      torch::Tensor slots, torch::Tensor out, int64_t first, int64_t window, double scale);
+                      torch::Tensor slots, torch::Tensor out, int64_t first, int64_t window, double scale, bool tiles);
+// Whether this CPU has AMX's bfloat16 tiles (with AVX-512 BF16) and the OS grants them to this process.
+bool bf16_tiles_granted();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
@@ -94,13 +99,13 @@ torch::Tensor sparse_moe(const torch::Tensor& x, const std::vector<torch::Tensor
                          const MoeParams& p);
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales, torch::Tensor slot_mapping, torch::Tensor rows,
+                           std::vector<torch::Tensor> v_scales, bool tiles, torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                            torch::Tensor final_norm, std::vector<int64_t> experts, MoeParams moe);
 torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales, std::vector<int64_t> sliding,
+                           std::vector<torch::Tensor> v_scales, bool tiles, std::vector<int64_t> sliding,
                            std::vector<torch::Tensor> full_view, std::vector<torch::Tensor> sliding_view,
                            torch::Tensor cos_global, torch::Tensor sin_global, torch::Tensor cos_local,
                            torch::Tensor sin_local, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,

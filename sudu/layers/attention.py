@@ -325,11 +325,11 @@ def paged_attention(
     for s in view.seqs:
         if native is not None:
             native(q[s.q_start:s.q_start + s.q_len], cache.k, cache.v, *pool_scales, s.key_slots,
-                   out[s.q_start:s.q_start + s.q_len], s.first, s.window, scale)
+                   out[s.q_start:s.q_start + s.q_len], s.first, s.window, scale, cache.bf16_tiles)
             if s.image_rows is not None:  # an image's rows again, each seeing up to its image's end
                 d = s.image_rows
                 kernels.load().decode_attention(q, cache.k, cache.v, *pool_scales, d.rows, d.slots, d.mask[:, 0],
-                                                scale, out)
+                                                scale, out, cache.bf16_tiles)
             continue
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).to(dtype)  # [H, q, D]
         ks, vs = cache.read(s.key_slots, dtype)  # [keys, Hkv, D]
@@ -344,7 +344,7 @@ def paged_attention(
     d = view.decode
     kernel = decode_kernel(q, cache, d.rows.shape[1]) if d is not None else None
     if kernel is not None:
-        kernel(q, cache.k, cache.v, *pool_scales, d.rows, d.slots, d.mask[:, 0], scale, out)
+        kernel(q, cache.k, cache.v, *pool_scales, d.rows, d.slots, d.mask[:, 0], scale, out, cache.bf16_tiles)
     elif d is not None:
         B, max_q = d.rows.shape
         qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, *q.shape[1:]).transpose(1, 2)

@@ -85,6 +85,10 @@ class KVCache:
                  device: torch.device | str = "cpu", v_head_dim: int | None = None):
         self.k = zeroed_pool((num_slots, num_kv_heads, head_dim), dtype, device)
         self.v = zeroed_pool((num_slots, num_kv_heads, v_head_dim or head_dim), dtype, device)
+        # the native kernels' attention over this pool on AMX's bfloat16 tiles rather than in float32: a
+        # numerics choice made for the whole model at load (engine/attention_choice.py), one recipe for every
+        # row either way
+        self.bf16_tiles = False
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None) -> int:
