@@ -29,8 +29,8 @@ def reference(q, k, v, lo, hi, scale):
 
 @needs_tiles
 @pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "int8"])
-@pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(32, 4, 4, 0), (64, 14, 2, 0), (128, 8, 2, 50),
-                                                            (256, 4, 1, 0)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(32, 4, 4, 0), (64, 14, 2, 0), (96, 6, 2, 0),
+                                                            (128, 8, 2, 50), (256, 4, 1, 0)])
 def test_tiles_compute_bfloat16_attention(kind, head_dim, heads, kv_heads, window):
     """A 300-key prompt chunk of 77 queries over scattered slots: every output within the bfloat16 rounding of
     the weights (the one rounding the reference does not make) of the float64 reference."""

@@ -23,8 +23,12 @@
 // never -0) changes nothing, so computing several rows together over the union of their spans gives each
 // row exactly its own recipe.
 //
+// The other arithmetic, the "bfloat16 tiles" (tiles = true: attention_tiles.cpp, where AMX's bfloat16 tiles
+// are granted and D is a multiple of 32), has a row recipe of its own with the same structure (key blocks of
+// KB at absolute positions, an online softmax per row) and takes the same rows from both entry points.
+//
 // Work: decode_attention splits by (sequence, kv head), prompt_attention by (kv head, block of BQ query
-// positions), the latest positions first from a shared counter (the causal triangle's uneven items even out
+// positions; 4 BQ with the tiles), the latest positions first from a shared counter (the causal triangle's uneven items even out
 // over the threads). Per item the G query heads of the kv head and its query positions are one block of
 // rows: each key block is gathered from the pool once, K transposed into an L1 buffer for register-blocked
 // scores (RS rows x 16 keys; AVX-512: RS512 rows x 32 keys), V as rows for the weighted sums (RS rows x 16

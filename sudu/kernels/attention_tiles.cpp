@@ -40,7 +40,7 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// tmm0..tmm3: C (16 x 16 float32); tmm4: A; tmm5..tmm7: B. Every tile 16 rows x 64 bytes.
+// tmm0..tmm3: C (16 x 16 float32); tmm4, tmm5: A; tmm6, tmm7: B. Every tile 16 rows x 64 bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -238,13 +238,21 @@ SUDU_AMXBF16 void score_tiles(const uint16_t* qa, int64_t D, const uint32_t* kb,
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t c = 0; c < D / 32; ++c) {
-    _tile_loadd(4, qa + c * 32, D * 2);
+  // A in tmm4 / tmm5 by chunk parity, B in tmm6 / tmm7 by column parity
+  for (int64_t c = 0; c < D / 32; c += 2) {
     const uint32_t* k = kb + c * (KB / 16) * 256;
-    if (t0 <= 0 && 0 < t1) { _tile_loadd(5, k, 64); _tile_dpbf16ps(0, 4, 5); }
-    if (t0 <= 1 && 1 < t1) { _tile_loadd(6, k + 256, 64); _tile_dpbf16ps(1, 4, 6); }
-    if (t0 <= 2 && 2 < t1) { _tile_loadd(7, k + 512, 64); _tile_dpbf16ps(2, 4, 7); }
-    if (t0 <= 3 && 3 < t1) { _tile_loadd(5, k + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+    _tile_loadd(4, qa + c * 32, D * 2);
+    if (t0 <= 0 && 0 < t1) { _tile_loadd(6, k, 64); _tile_dpbf16ps(0, 4, 6); }
+    if (t0 <= 1 && 1 < t1) { _tile_loadd(7, k + 256, 64); _tile_dpbf16ps(1, 4, 7); }
+    if (t0 <= 2 && 2 < t1) { _tile_loadd(6, k + 512, 64); _tile_dpbf16ps(2, 4, 6); }
+    if (t0 <= 3 && 3 < t1) { _tile_loadd(7, k + 768, 64); _tile_dpbf16ps(3, 4, 7); }
+    if (c + 1 == D / 32) break;
+    k += (KB / 16) * 256;
+    _tile_loadd(5, qa + c * 32 + 32, D * 2);
+    if (t0 <= 0 && 0 < t1) { _tile_loadd(6, k, 64); _tile_dpbf16ps(0, 5, 6); }
+    if (t0 <= 1 && 1 < t1) { _tile_loadd(7, k + 256, 64); _tile_dpbf16ps(1, 5, 7); }
+    if (t0 <= 2 && 2 < t1) { _tile_loadd(6, k + 512, 64); _tile_dpbf16ps(2, 5, 6); }
+    if (t0 <= 3 && 3 < t1) { _tile_loadd(7, k + 768, 64); _tile_dpbf16ps(3, 5, 7); }
   }
   if (t0 <= 0 && 0 < t1) _tile_stored(0, s, KB * 4);
   if (t0 <= 1 && 1 < t1) _tile_stored(1, s + 16, KB * 4);
@@ -261,19 +269,61 @@ SUDU_AMXBF16 void value_tiles(const uint16_t* p, const uint32_t* vb, int64_t h0,
   if (n > 1) _tile_loadd(1, oc + 16, D * 4);
   if (n > 2) _tile_loadd(2, oc + 32, D * 4);
   if (n > 3) _tile_loadd(3, oc + 48, D * 4);
-  for (int64_t h = h0; h < h1; ++h) {
-    _tile_loadd(4, p + h * 32, KB * 2);
+  for (int64_t h = h0; h < h1; ++h) {  // A in tmm4 / tmm5 by half parity, B by column parity
     const uint32_t* v = vb + (h * cts + c0) * 256;
-    _tile_loadd(5, v, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if (n > 1) { _tile_loadd(6, v + 256, 64); _tile_dpbf16ps(1, 4, 6); }
-    if (n > 2) { _tile_loadd(7, v + 512, 64); _tile_dpbf16ps(2, 4, 7); }
-    if (n > 3) { _tile_loadd(5, v + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+    if (h % 2 == 0) {
+      _tile_loadd(4, p + h * 32, KB * 2);
+      _tile_loadd(6, v, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (n > 1) { _tile_loadd(7, v + 256, 64); _tile_dpbf16ps(1, 4, 7); }
+      if (n > 2) { _tile_loadd(6, v + 512, 64); _tile_dpbf16ps(2, 4, 6); }
+      if (n > 3) { _tile_loadd(7, v + 768, 64); _tile_dpbf16ps(3, 4, 7); }
+    } else {
+      _tile_loadd(5, p + h * 32, KB * 2);
+      _tile_loadd(6, v, 64);
+      _tile_dpbf16ps(0, 5, 6);
+      if (n > 1) { _tile_loadd(7, v + 256, 64); _tile_dpbf16ps(1, 5, 7); }
+      if (n > 2) { _tile_loadd(6, v + 512, 64); _tile_dpbf16ps(2, 5, 6); }
+      if (n > 3) { _tile_loadd(7, v + 768, 64); _tile_dpbf16ps(3, 5, 7); }
+    }
   }
   _tile_stored(0, oc, D * 4);
   if (n > 1) _tile_stored(1, oc + 16, D * 4);
   if (n > 2) _tile_stored(2, oc + 32, D * 4);
   if (n > 3) _tile_stored(3, oc + 48, D * 4);
+}
+
+// One row's softmax step over a block (the header's recipe): its scores sr (KB of them), of which the keys
+// [jb, je) are visible; updates its running max m, lane sums l (16) and accumulators o (D), and writes its
+// bfloat16 weights pr (KB, zeros where not visible).
+SUDU_AMXBF16 inline void row_weights(const float* sr, int64_t jb, int64_t je, float& m, float* l, uint16_t* pr,
+                                     float* o, int64_t D) {
+  if (jb >= je) {  // no key of this block is visible to the row: weights 0, nothing else changes
+    std::fill(pr, pr + KB, uint16_t(0));
+    return;
+  }
+  const uint64_t vis = (je == 64 ? ~0ull : (1ull << je) - 1) & ~((1ull << jb) - 1);
+  __m512 x[4], mx = _mm512_set1_ps(NEG_INF);
+  for (int v = 0; v < 4; ++v) {
+    x[v] = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), static_cast<__mmask16>(vis >> (16 * v)), sr + 16 * v);
+    mx = _mm512_max_ps(mx, x[v]);
+  }
+  const float m_new = std::max(m, hmax16(mx));
+  const float corr = m_new == m ? 1.f : std::exp(m - m_new);  // 0 on the row's first block (m = -inf)
+  const __m512 mv = _mm512_set1_ps(m_new * 1.44269504088896341f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int v = 0; v < 4; ++v) {
+    const __mmask16 k = static_cast<__mmask16>(vis >> (16 * v));
+    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(weights16(x[v], mv, k));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v), pb);
+    sum = _mm512_add_ps(sum, widen(pb));
+  }
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_set1_ps(corr), sum));
+  m = m_new;
+  if (corr != 1.f) {
+    const __m512 cv = _mm512_set1_ps(corr);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), cv));
+  }
 }
 
 template <Pool P>
@@ -313,45 +363,19 @@ SUDU_AMXBF16 void attend(const Keys& kv, const Rows& rw, float scale, const floa
     prefetch_keys<P>(kv, std::min(jhi, j0 + KB), std::min(jhi, j0 + 2 * KB));
     gather_keys<P>(kv, j0, a, b, w.kb.data());
     gather_values<P>(kv, j0, a, b, w.vb.data());
-    for (int64_t r0 = 0; r0 < Rp; r0 += 16)
-      score_tiles(qa + r0 * D, D, w.kb.data(), a / 16, (b + 15) / 16, w.s.data() + r0 * KB);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t jb = std::max(rw.lo[r], j0) - j0, je = std::min(rw.hi[r], j0 + KB) - j0;
-      uint16_t* pr = pw + r * KB;
-      if (jb >= je) {  // no key of this block is visible to the row: weights 0
-        std::fill(pr, pr + KB, uint16_t(0));
-        continue;
-      }
-      const uint64_t vis = (je == 64 ? ~0ull : (1ull << je) - 1) & ~((1ull << jb) - 1);
-      const float* sr = w.s.data() + r * KB;
-      __m512 x[4], mx = _mm512_set1_ps(NEG_INF);
-      for (int v = 0; v < 4; ++v) {
-        x[v] = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), static_cast<__mmask16>(vis >> (16 * v)), sr + 16 * v);
-        mx = _mm512_max_ps(mx, x[v]);
-      }
-      const float m_new = std::max(w.m[r], hmax16(mx));
-      const float corr = m_new == w.m[r] ? 1.f : std::exp(w.m[r] - m_new);  // 0 on the row's first block
-      const __m512 mv = _mm512_set1_ps(m_new * 1.44269504088896341f);
-      __m512 sum = _mm512_setzero_ps();
-      for (int v = 0; v < 4; ++v) {
-        const __mmask16 k = static_cast<__mmask16>(vis >> (16 * v));
-        const __m256i pb = (__m256i)_mm512_cvtneps_pbh(weights16(x[v], mv, k));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v), pb);
-        sum = _mm512_add_ps(sum, widen(pb));
-      }
-      float* lr = w.l.data() + r * 16;
-      _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(corr), sum));
-      w.m[r] = m_new;
-      if (corr != 1.f) {
-        const __m512 cv = _mm512_set1_ps(corr);
-        float* orow = o + r * D;
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), cv));
-      }
-    }
-    for (int64_t r0 = 0; r0 < Rp; r0 += 16)
+    // row tile by row tile, the next tile's scores issued before this tile's softmax, so that the tile unit
+    // and the vector units work at the same time
+    const int64_t t0 = a / 16, t1 = (b + 15) / 16;
+    score_tiles(qa, D, w.kb.data(), t0, t1, w.s.data());
+    for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
+      if (r0 + 16 < Rp) score_tiles(qa + (r0 + 16) * D, D, w.kb.data(), t0, t1, w.s.data() + (r0 + 16) * KB);
+      for (int64_t r = r0; r < std::min(R, r0 + 16); ++r)
+        row_weights(w.s.data() + r * KB, std::max(rw.lo[r], j0) - j0, std::min(rw.hi[r], j0 + KB) - j0,
+                    w.m[r], w.l.data() + r * 16, pw + r * KB, o + r * D, D);
       for (int64_t c0 = 0; c0 < cts; c0 += 4)
         value_tiles(pw + r0 * KB, w.vb.data(), a / 32, (b + 31) / 32, cts, c0, std::min<int64_t>(4, cts - c0),
                     o + r0 * D, D);
+    }
   }
   _tile_release();
   for (int64_t r = 0; r < R; ++r) {
