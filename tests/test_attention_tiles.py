@@ -19,12 +19,12 @@ needs_tiles = pytest.mark.skipif(not TILES, reason="this CPU has no AMX bfloat16
 def reference(q, k, v, lo, hi, scale):
     """Row r of q [R, D] over keys [lo[r], hi[r]) of k, v [L, D]: softmax(q' k'^T) v' in float64, with q' =
     bfloat16(q * scale), k' = bfloat16(k), v' = bfloat16(v): the tiles' operands, summed without rounding."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for r in range(q.shape[0]):
-        qq = (q[r] * scale).bfloat16().double()
-        kk, vv = k[lo[r]:hi[r]].bfloat16().double(), v[lo[r]:hi[r]].bfloat16().double()
-        out[r] = torch.softmax(kk @ qq, 0) @ vv
-    return out
+    qq = (q * scale).bfloat16().double()
+    kk, vv = k.bfloat16().double(), v.bfloat16().double()
+    j = torch.arange(k.shape[0])
+    visible = (j[None] >= torch.tensor(lo)[:, None]) & (j[None] < torch.tensor(hi)[:, None])
+    scores = (qq @ kk.T).masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, -1) @ vv
 
 
 @needs_tiles
