@@ -58,7 +58,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--modes", default="default,fast",
-                    help="default (invariant), vnni (invariant without AMX tiles: the same bits) and/or fast (--fast-math)")
+                    help="default (invariant), vnni (invariant without AMX tiles: the same bits), f32attn (invariant, "
+                         "attention in float32: --attention-arithmetic float32) and/or fast (--fast-math)")
     ap.add_argument("--prompts", default="512", help="prompt lengths whose cold time to first token is measured")
     ap.add_argument("--prompts-only", action="store_true", help="only the prompts (no decode, no 32 streams)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -69,7 +70,8 @@ def main() -> None:
     common = dict(progress=False, speculative="none", enable_prefix_caching=False, num_threads=args.threads)
     if args.model:
         common["model"] = args.model
-    engines = {m: LLM(**common, **({"fast_math": True} if m == "fast" else {})) for m in modes}
+    extra = {"fast": {"fast_math": True}, "f32attn": {"attention_arithmetic": "float32"}}
+    engines = {m: LLM(**common, **extra.get(m, {})) for m in modes}
     prompts = [int(n) for n in args.prompts.split(",")]
     rng = random.Random(0)
 

@@ -4,11 +4,13 @@
 //   q' = bf16(q * scale) (int8 pool: bf16((q * scale) * ks), the K scales folded into the query);
 //   key blocks of KB at key indices that are multiples of KB, in increasing order, each block with a visible
 //   key: k' = bf16(k) (exact for bfloat16 and int8 pools); a key's score = TDPBF16PS's sum of q'[d] k'[d] over
-//   d in 32-channel chunks, chunk after chunk into one float32 accumulator; invisible keys -inf; the block's
-//   max m_b; m' = max(m, m_b); corr = exp(m - m') (std::exp); p = bf16(exp16(score - m')) (the 16-lane form of
-//   attention.cpp's exp8, lane for lane); l = l * corr + the sum of the block's p (lane-wise over its four
-//   16-key vectors, then a fixed halving tree); o = o * corr (where corr != 1); o += TDPBF16PS's sums of
-//   p * bf16(v) over the block's keys, in 32-key halves; out = o * (1 / l) (int8 pool: * vs).
+//   d in 32-channel chunks, chunk after chunk into one float32 accumulator; invisible keys -inf;
+//   the running max m: where a block has a score above m (on the row's first block, m = -inf), m' = the
+//   block's max, l = l * exp(m - m') and o = o * exp(m - m') (std::exp), m = m'; otherwise m stays;
+//   w = bf16(weights16(score, m)) (2^((score - m) log2 e) by a polynomial and vscalefps); l += w lane-wise
+//   (16 lanes, the block's four 16-key vectors in order); o += TDPBF16PS's sums of w * bf16(v) over the
+//   block's keys, in 32-key halves; at the end out = o * (1 / l's lanes summed by a fixed halving tree)
+//   (int8 pool: * vs).
 //
 // Why every row gets its own recipe whatever else the call computes: a tile product's output row depends only
 // on its own A row (the row's query, or its weights) and on B (the block's keys or values, the same for every
@@ -28,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -81,11 +84,10 @@ SUDU_AMXBF16 inline __m512 widen(__m256i b) {
 
 // The weights of 16 scores x given the row's running max m, visible lanes only (others exactly 0):
 // 2^t with t = x * log2(e) - m * log2(e) (one fused multiply-add), t = n + f with n = round(t), 2^f by a degree-4
-// polynomial (relative error ~4e-5, well inside the bfloat16 rounding that follows), times 2^n by vscalefps.
-// t is clamped at -126, below which the weight is 2^-126 or less.
+// polynomial (relative error ~4e-5, well inside the bfloat16 rounding that follows), times 2^n by vscalefps
+// (which takes any n: far below the max the weight is 0).
 SUDU_AMXBF16 inline __m512 weights16(__m512 x, __m512 m_log2e, __mmask16 visible) {
-  const __m512 t = _mm512_max_ps(_mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), m_log2e),
-                                 _mm512_set1_ps(-126.f));
+  const __m512 t = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), m_log2e);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(9.6181291e-3f);
@@ -139,10 +141,26 @@ SUDU_AMXBF16 inline void transpose16(__m512i* r) {
   }
 }
 
+// A std::allocator whose blocks start on a cache line: a tile row that straddles two lines makes every tile
+// load and store several times slower.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+};
+template <typename T>
+using Aligned = std::vector<T, LineAligned<T>>;
+
 struct Buffers {
-  std::vector<uint16_t> qa, p;  // [Rp, D] queries, [Rp, KB] weights (bfloat16)
-  std::vector<float> s, o, m, l;  // [Rp, KB] scores, [Rp, D] accumulators, per-row max, [Rp, 16] sums
-  std::vector<uint32_t> kb, vb;   // a block's keys [D / 32][KB / 16][16][16], values [KB / 32][D / 16][16][16]
+  Aligned<uint16_t> qa, p;  // [Rp, D] queries, [Rp, KB] weights (bfloat16)
+  Aligned<float> s, o, m, l;  // [Rp, KB] scores, [Rp, D] accumulators, per-row max, [Rp, 16] sums
+  Aligned<uint32_t> kb, vb;   // a block's keys [D / 32][KB / 16][16][16], values [KB / 32][D / 16][16][16]
   void size(int64_t Rp, int64_t D) {
     if (static_cast<int64_t>(qa.size()) < Rp * D || static_cast<int64_t>(kb.size()) != D * KB / 2) {
       qa.resize(std::max<int64_t>(qa.size(), Rp * D));
@@ -303,27 +321,28 @@ SUDU_AMXBF16 inline void row_weights(const float* sr, int64_t jb, int64_t je, fl
     return;
   }
   const uint64_t vis = (je == 64 ? ~0ull : (1ull << je) - 1) & ~((1ull << jb) - 1);
-  __m512 x[4], mx = _mm512_set1_ps(NEG_INF);
-  for (int v = 0; v < 4; ++v) {
+  __m512 x[4];
+  for (int v = 0; v < 4; ++v)
     x[v] = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), static_cast<__mmask16>(vis >> (16 * v)), sr + 16 * v);
-    mx = _mm512_max_ps(mx, x[v]);
-  }
-  const float m_new = std::max(m, hmax16(mx));
-  const float corr = m_new == m ? 1.f : std::exp(m - m_new);  // 0 on the row's first block (m = -inf)
-  const __m512 mv = _mm512_set1_ps(m_new * 1.44269504088896341f);
-  __m512 sum = _mm512_setzero_ps();
-  for (int v = 0; v < 4; ++v) {
-    const __mmask16 k = static_cast<__mmask16>(vis >> (16 * v));
-    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(weights16(x[v], mv, k));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v), pb);
-    sum = _mm512_add_ps(sum, widen(pb));
-  }
-  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_set1_ps(corr), sum));
-  m = m_new;
-  if (corr != 1.f) {
+  const __m512 mx = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+  // the max rises (always on the row's first block, m = -inf): rescale. Its largest weight is then exactly 1,
+  // which bfloat16 holds exactly; a block whose scores stay below the max costs one compare here
+  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
+    const float m_new = hmax16(mx);
+    const float corr = std::exp(m - m_new);
     const __m512 cv = _mm512_set1_ps(corr);
+    _mm512_storeu_ps(l, _mm512_mul_ps(_mm512_loadu_ps(l), cv));
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), cv));
+    m = m_new;
   }
+  const __m512 mv = _mm512_set1_ps(m * 1.44269504088896341f);
+  __m512 sum = _mm512_loadu_ps(l);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(weights16(x[v], mv, static_cast<__mmask16>(vis >> (16 * v))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v), pb);
+    sum = _mm512_add_ps(sum, widen(pb));  // the weights as the products take them
+  }
+  _mm512_storeu_ps(l, sum);
 }
 
 template <Pool P>
