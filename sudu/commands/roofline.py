@@ -6,7 +6,8 @@ It measures the CPU (the engine runs with --device cpu): the bandwidth (a timed 
 median of several, right after each format's decode measurement, since a VM's bandwidth can move during
 the run), counts the bytes a decode step reads per weight format (every linear layer incl. lm_head at
 that format's bytes per weight, plus one embedding row, norms and biases; the KV cache is left out: at
-the short contexts measured here it is well under 1% of the weights), and sets next to each limit the
+the short contexts measured here it is well under 1% of the weights; --depths adds rows whose context's K
+and V, read every step, count too), and sets next to each limit the
 decode tok/s sudu's engine achieves (greedy, ignore_eos, one stream) and the fraction of the limit. Each
 format is measured as greedy decoding runs by default; where the bounded head serves it
 (layers/bounded_head.py), that row counts the bytes it reads instead of the head's, and a second run with
@@ -135,6 +136,37 @@ def measure_decode(model: str, fmt: str, max_tokens: int = 64, threads: int = 2,
     return (n - 1) / (m.finished_time - m.first_token_time), head_bytes
 
 
+def measure_decode_at_depth(model: str, fmt: str, depth: int, max_tokens: int = 32, threads: int = 2
+                            ) -> tuple[float, float]:
+    """Single-stream greedy decode speed after a `depth`-token prompt (its prefill not timed), and the KV bytes
+    a decode step reads on average over the measured tokens (every layer's K and V of the context)."""
+    from sudu.engine.llm import LLM
+    from sudu.sampling import SamplingParams
+
+    settings, _, _ = FORMATS[fmt]
+    llm = LLM(model, speculative="none", progress=False, num_threads=threads, greedy_head="full",
+              enable_prefix_caching=False, **settings)
+    words = llm.tokenizer.encode(PROMPT + " ")
+    prompt = (words * (depth // len(words) + 1))[:depth]
+    print(f"  decode after a {depth}-token prompt ({fmt}): prefilling...", flush=True)
+    result = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+    m = result.metrics
+    n = len(result.token_ids)
+    kv = llm.engine.runner.kv_bytes_for_context(depth + n // 2)
+    return (n - 1) / (m.finished_time - m.first_token_time), kv
+
+
+def parse_depths(text: str) -> list[int]:
+    """--depths: token counts, k = 1000 (as `sudu bench sweep` reads them)."""
+    out = []
+    for part in filter(None, (t.strip().lower() for t in text.split(","))):
+        try:
+            out.append(int(float(part[:-1]) * 1000) if part.endswith("k") else int(part))
+        except ValueError:
+            raise SystemExit(f"sudu roofline: --depths takes token counts such as 2k,24k, got {part!r}") from None
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -172,6 +204,11 @@ def run(args: argparse.Namespace) -> int:
         bounded = row(f"{fmt}, bounded head", nbytes - lm_head_bytes(ckpt.config, fmt, ckpt) + head_bytes, achieved)
         table.add_row(*row(fmt, nbytes, measure_decode(args.model, fmt, args.max_tokens, args.threads)[0]))
         table.add_row(*bounded)
+    # at depth a decode step reads the context's K and V too: the first format's rows, whole head
+    for depth in [] if args.no_measure else parse_depths(args.depths):
+        fmt = formats[0]
+        achieved, kv = measure_decode_at_depth(args.model, fmt, depth, args.max_tokens, args.threads)
+        table.add_row(*row(f"{fmt}, {depth}-token context", bytes_per_token(ckpt.config, fmt, ckpt) + kv, achieved))
     Console().print(table)
     return 0
 
@@ -184,4 +221,6 @@ def register_cli(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per measurement")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-measure", action="store_true", help="print the limits only, skip the engine runs")
+    p.add_argument("--depths", default="", help="also decode after prompts of these lengths (e.g. 8k,24k; k = 1000), "
+                   "the first format's weights plus the context's KV bytes per token (their prefill is not timed)")
     p.set_defaults(func=run)

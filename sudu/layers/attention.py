@@ -284,9 +284,11 @@ def build_metadata(
 def prompt_kernel(q: torch.Tensor, cache: KVCache, dtype: torch.dtype):
     """The native prompt-chunk kernel (kernels/attention.cpp prompt_attention: the decode kernel's arithmetic),
     or None: it takes float32 queries on the CPU whose head size (K's and V's alike) is a multiple of 8, over
-    a pool it reads (the decode kernel's conditions); --fast-math's bfloat16 chunks stay with SDPA's flash
-    kernel, which runs them on the CPU's bfloat16 units."""
-    if (not q.is_cpu or q.dtype != torch.float32 or dtype != torch.float32 or q.shape[-1] % 8
+    a pool it reads (the decode kernel's conditions). --fast-math's bfloat16 chunks (dtype) take SDPA's flash
+    kernel on the CPU's bfloat16 units, unless the pool's attention already runs on the bfloat16 tiles, which
+    are faster."""
+    if (not q.is_cpu or q.dtype != torch.float32 or (dtype != torch.float32 and not cache.bf16_tiles)
+            or q.shape[-1] % 8
             or cache.k.dtype not in NATIVE_POOL_DTYPES
             or cache.k.shape[-1] != q.shape[-1] or cache.v.shape[-1] != q.shape[-1]):
         return None
