@@ -104,7 +104,10 @@ def test_engine_matches_transformers_on_real_model(reference):
     code = tok.encode(CODE_PROMPT)
     want_next, want_completion = reference_tokens(reference.model, prompts, code, num_tokens)
     reference.drop()
-    llm = LLM(name, progress=False, kv_cache_memory=256 << 20, max_model_len=2048, quantization="none")
+    # float32 attention: the network against transformers' float32 forward, token for token (the bfloat16
+    # tiles' own price, a near-tie moved here and there, is measured in docs/exactness.md)
+    llm = LLM(name, progress=False, kv_cache_memory=256 << 20, max_model_len=2048, quantization="none",
+              attention_arithmetic="float32")
     greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     got_next = [r.token_ids[0] for r in llm.generate(prompts, greedy1)]
     assert len(prompts) >= min(num_prompts, 20) and got_next == want_next
