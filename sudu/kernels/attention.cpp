@@ -28,8 +28,8 @@
 // KB at absolute positions, an online softmax per row) and takes the same rows from both entry points.
 //
 // Work: decode_attention splits by (sequence, kv head), prompt_attention by (kv head, block of BQ query
-// positions; 4 BQ with the tiles), the latest positions first from a shared counter (the causal triangle's uneven items even out
-// over the threads). Per item the G query heads of the kv head and its query positions are one block of
+// positions; up to 8 BQ with the tiles), the latest positions first from a shared counter (the causal
+// triangle's uneven items even out over the threads). Per item the G query heads of the kv head and its query positions are one block of
 // rows: each key block is gathered from the pool once, K transposed into an L1 buffer for register-blocked
 // scores (RS rows x 16 keys; AVX-512: RS512 rows x 32 keys), V as rows for the weighted sums (RS rows x 16
 // columns; AVX-512: 64). The AVX-512 products compute the AVX2 ones' chains lane for lane: the same bits.
@@ -389,10 +389,14 @@ void prompt_impl(const float* q, int64_t q_row, int64_t q_head, float* out, int6
                  const KV* kc, const KV* vc, const float* ks, const float* vs, int64_t Hkv, int64_t D,
                  const int64_t* slots, int64_t T, int64_t L, int64_t H, int64_t first, int64_t window, float scale,
                  bool tiles) {
-  // the tiles take more positions per item: each item converts its keys and values once for all its rows
-  const int64_t bq = tiles ? 4 * BQ : BQ;
+  // the tiles take more positions per item (each item converts its keys and values once for all its rows),
+  // down to BQ while that leaves fewer than 4 items per thread. Only the speed depends on it: rows are
+  // computed alike in any item
+  const int64_t pool = at::in_parallel_region() ? 1 : at::get_num_threads();
+  int64_t bq = tiles ? 8 * BQ : BQ;
+  while (bq > BQ && (T + bq - 1) / bq * Hkv < 4 * pool) bq /= 2;
   const int64_t G = H / Hkv, blocks = (T + bq - 1) / bq, items = blocks * Hkv;
-  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t threads = std::min<int64_t>(pool, items);
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
     Scratch w;
