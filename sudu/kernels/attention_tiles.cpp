@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "simd.h"
 
 namespace atiles {
 namespace {
@@ -98,13 +99,9 @@ SUDU_AMXBF16 inline __m512 weights16(__m512 x, __m512 m_log2e, __mmask16 visible
   return _mm512_maskz_scalef_ps(visible, p, n);
 }
 
-// The sum and the largest of 16 lanes, by a fixed halving tree.
+// The sum and the largest of 16 lanes, by a fixed halving tree (the sum's last three halvings: simd.h hsum).
 SUDU_AMXBF16 inline float hsum16(__m512 v) {
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 SUDU_AMXBF16 inline float hmax16(__m512 v) {
   __m256 h = _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -249,28 +246,31 @@ SUDU_AMXBF16 inline void prefetch_keys(const Keys& kv, int64_t j0, int64_t j1) {
   }
 }
 
-// Scores of row tile rt for the block's 16-key column tiles [t0, t1) into s (rows of KB).
+// C tiles tmm0..tmm3, those in [lo, hi), += A . B_i: A loaded into register TA from a (rows lda bytes apart),
+// B_i the 16 x 64-byte operand at b + 256 i, in tmm6 / tmm7 by i's parity. Callers alternate TA between
+// tmm4 and tmm5 from one use to the next. A macro: the tile intrinsics take register numbers as literals.
+#define SUDU_TILE_PRODUCTS(TA, a, lda, b, lo, hi)                                              \
+  do {                                                                                         \
+    _tile_loadd(TA, a, lda);                                                                   \
+    if ((lo) <= 0 && 0 < (hi)) { _tile_loadd(6, b, 64); _tile_dpbf16ps(0, TA, 6); }           \
+    if ((lo) <= 1 && 1 < (hi)) { _tile_loadd(7, (b) + 256, 64); _tile_dpbf16ps(1, TA, 7); }   \
+    if ((lo) <= 2 && 2 < (hi)) { _tile_loadd(6, (b) + 512, 64); _tile_dpbf16ps(2, TA, 6); }   \
+    if ((lo) <= 3 && 3 < (hi)) { _tile_loadd(7, (b) + 768, 64); _tile_dpbf16ps(3, TA, 7); }   \
+  } while (0)
+
+// Scores of 16 query rows (qa, rows of D) for the block's 16-key column tiles [t0, t1) into s (rows of KB).
 SUDU_AMXBF16 void score_tiles(const uint16_t* qa, int64_t D, const uint32_t* kb, int64_t t0, int64_t t1,
                               float* s) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  // A in tmm4 / tmm5 by chunk parity, B in tmm6 / tmm7 by column parity
-  for (int64_t c = 0; c < D / 32; c += 2) {
+  for (int64_t c = 0; c < D / 32; ++c) {  // chunk after chunk of 32 channels
     const uint32_t* k = kb + c * (KB / 16) * 256;
-    _tile_loadd(4, qa + c * 32, D * 2);
-    if (t0 <= 0 && 0 < t1) { _tile_loadd(6, k, 64); _tile_dpbf16ps(0, 4, 6); }
-    if (t0 <= 1 && 1 < t1) { _tile_loadd(7, k + 256, 64); _tile_dpbf16ps(1, 4, 7); }
-    if (t0 <= 2 && 2 < t1) { _tile_loadd(6, k + 512, 64); _tile_dpbf16ps(2, 4, 6); }
-    if (t0 <= 3 && 3 < t1) { _tile_loadd(7, k + 768, 64); _tile_dpbf16ps(3, 4, 7); }
-    if (c + 1 == D / 32) break;
-    k += (KB / 16) * 256;
-    _tile_loadd(5, qa + c * 32 + 32, D * 2);
-    if (t0 <= 0 && 0 < t1) { _tile_loadd(6, k, 64); _tile_dpbf16ps(0, 5, 6); }
-    if (t0 <= 1 && 1 < t1) { _tile_loadd(7, k + 256, 64); _tile_dpbf16ps(1, 5, 7); }
-    if (t0 <= 2 && 2 < t1) { _tile_loadd(6, k + 512, 64); _tile_dpbf16ps(2, 5, 6); }
-    if (t0 <= 3 && 3 < t1) { _tile_loadd(7, k + 768, 64); _tile_dpbf16ps(3, 5, 7); }
+    if (c % 2 == 0)
+      SUDU_TILE_PRODUCTS(4, qa + c * 32, D * 2, k, t0, t1);
+    else
+      SUDU_TILE_PRODUCTS(5, qa + c * 32, D * 2, k, t0, t1);
   }
   if (t0 <= 0 && 0 < t1) _tile_stored(0, s, KB * 4);
   if (t0 <= 1 && 1 < t1) _tile_stored(1, s + 16, KB * 4);
@@ -287,23 +287,12 @@ SUDU_AMXBF16 void value_tiles(const uint16_t* p, const uint32_t* vb, int64_t h0,
   if (n > 1) _tile_loadd(1, oc + 16, D * 4);
   if (n > 2) _tile_loadd(2, oc + 32, D * 4);
   if (n > 3) _tile_loadd(3, oc + 48, D * 4);
-  for (int64_t h = h0; h < h1; ++h) {  // A in tmm4 / tmm5 by half parity, B by column parity
+  for (int64_t h = h0; h < h1; ++h) {
     const uint32_t* v = vb + (h * cts + c0) * 256;
-    if (h % 2 == 0) {
-      _tile_loadd(4, p + h * 32, KB * 2);
-      _tile_loadd(6, v, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (n > 1) { _tile_loadd(7, v + 256, 64); _tile_dpbf16ps(1, 4, 7); }
-      if (n > 2) { _tile_loadd(6, v + 512, 64); _tile_dpbf16ps(2, 4, 6); }
-      if (n > 3) { _tile_loadd(7, v + 768, 64); _tile_dpbf16ps(3, 4, 7); }
-    } else {
-      _tile_loadd(5, p + h * 32, KB * 2);
-      _tile_loadd(6, v, 64);
-      _tile_dpbf16ps(0, 5, 6);
-      if (n > 1) { _tile_loadd(7, v + 256, 64); _tile_dpbf16ps(1, 5, 7); }
-      if (n > 2) { _tile_loadd(6, v + 512, 64); _tile_dpbf16ps(2, 5, 6); }
-      if (n > 3) { _tile_loadd(7, v + 768, 64); _tile_dpbf16ps(3, 5, 7); }
-    }
+    if (h % 2 == 0)
+      SUDU_TILE_PRODUCTS(4, p + h * 32, KB * 2, v, 0, n);
+    else
+      SUDU_TILE_PRODUCTS(5, p + h * 32, KB * 2, v, 0, n);
   }
   _tile_stored(0, oc, D * 4);
   if (n > 1) _tile_stored(1, oc + 16, D * 4);
