@@ -6,6 +6,8 @@ so either keeps a request's answer independent of what shares its step and of ho
 cached (docs/exactness.md). They differ from each other in the numbers: the tiles round queries, keys,
 weights and values to bfloat16 and sum in float32, as GPU attention kernels do; float32 rounds nothing but
 the pool's own format. The choice is made once, for the whole model, at load; the startup line says which.
+The tiles' sums are not a chain of fused multiply-adds (docs/exactness.md), so a CPU without AMX cannot
+reproduce them: there attention runs in float32, and replicas on mixed machines agree only in float32.
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@
 // Operands (all tiles 16 rows x 64 bytes): A = 16 query rows' 32 bf16 channels (rows of D in a buffer), or 16
 // rows' weights of a 32-key half; B = a block's keys transposed into pairs of channels (row p: the 16 keys'
 // channels 2p, 2p + 1), or its values in pairs of keys (row p: 16 channels of keys 2p, 2p + 1). Each block's
-// keys and values are converted and laid out once per call, for all its rows.
+// keys and values are converted and laid out once per work item (a decode call's sequence and kv head, a prompt
+// call's kv head and block of positions), for all its rows.
 #include "attention_tiles.h"
 
 #include <cpuid.h>
