@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from sudu import kernels
 from sudu.engine.llm import LLM

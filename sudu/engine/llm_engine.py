@@ -132,8 +132,8 @@ class LLMEngine:
         gib = 1 << 30
         log.info(
             "engine ready: %s, max_model_len %d, %d KV blocks of %d tokens (%s; one %d-token context needs %.2f GiB of "
-            "it), %s attention; memory: weights %.2f GiB (%.2f GiB in huge pages), KV pool %.2f GiB (%.2f GiB resident, the rest "
-            "committed as it fills), process %.2f GiB resident",
+            "it), %s attention; memory: weights %.2f GiB (%.2f GiB in huge pages), KV pool %.2f GiB (%.2f GiB "
+            "resident, the rest committed as it fills), process %.2f GiB resident",
             ckpt.path, self.max_model_len, self.runner.num_blocks, config.block_size, config.kv_cache_dtype,
             KV_REPORT_TOKENS, self.runner.kv_bytes_for_context(KV_REPORT_TOKENS) / gib,
             self.runner.attention_arithmetic,

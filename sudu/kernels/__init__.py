@@ -25,7 +25,9 @@ from sudu.paths import sudu_home
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "quant_linear.cpp", "act_quant.cpp", "gguf_tiles.cpp", "amx_tiles.cpp", "attention.cpp", "attention_tiles.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "bindings.cpp", "quant_linear.cpp", "act_quant.cpp", "gguf_tiles.cpp", "amx_tiles.cpp", "attention.cpp",
+    "attention_tiles.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
