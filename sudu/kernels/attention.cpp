@@ -29,10 +29,11 @@
 //
 // Work: decode_attention splits by (sequence, kv head), prompt_attention by (kv head, block of BQ query
 // positions; up to 8 BQ with the tiles), the latest positions first from a shared counter (the causal
-// triangle's uneven items even out over the threads). Per item the G query heads of the kv head and its query positions are one block of
-// rows: each key block is gathered from the pool once, K transposed into an L1 buffer for register-blocked
-// scores (RS rows x 16 keys; AVX-512: RS512 rows x 32 keys), V as rows for the weighted sums (RS rows x 16
-// columns; AVX-512: 64). The AVX-512 products compute the AVX2 ones' chains lane for lane: the same bits.
+// triangle's uneven items even out over the threads). Per item the G query heads of the kv head and its query
+// positions are one block of rows: each key block is gathered from the pool once, K transposed into an L1
+// buffer for register-blocked scores (RS rows x 16 keys; AVX-512: RS512 rows x 32 keys), V as rows for the
+// weighted sums (RS rows x 16 columns; AVX-512: 64). The AVX-512 products compute the AVX2 ones' chains lane
+// for lane: the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -236,6 +237,15 @@ struct Scratch {
     q.resize(R);
     out.resize(R);
   }
+  // the row lists alone: the bfloat16 tiles keep buffers of their own (attention_tiles.cpp)
+  void size_rows(int64_t R) {
+    if (static_cast<int64_t>(q.size()) >= R) return;
+    lo.resize(R);
+    hi.resize(R);
+    q.resize(R);
+    out.resize(R);
+  }
+  void size(int64_t R, int64_t D, bool tiles) { tiles ? size_rows(R) : size(R, D); }
 };
 
 // Rows w.q[r] (one query head each, D floats) over their spans [w.lo[r], w.hi[r]) of the sequence's keys, into
@@ -358,7 +368,7 @@ void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, co
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     Scratch w;
-    w.size(Q * G, D);
+    w.size(Q * G, D, tiles);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, g = t % Hkv;
       int64_t R = 0;
@@ -400,7 +410,7 @@ void prompt_impl(const float* q, int64_t q_row, int64_t q_head, float* out, int6
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
     Scratch w;
-    w.size(bq * G, D);
+    w.size(bq * G, D, tiles);
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t blk = blocks - 1 - it / Hkv, g = it % Hkv;  // latest positions (most keys) first
       const int64_t i0 = blk * bq, i1 = std::min(T, i0 + bq);
@@ -433,8 +443,8 @@ std::pair<const float*, const float*> pool_scales(const torch::Tensor& kc, const
 }
 
 void check_tiles(bool tiles, int64_t D) {
-  TORCH_CHECK(!tiles || (atiles::granted() && D % 32 == 0),
-              "bfloat16 tiles need AMX's bfloat16 tiles (granted to this process) and a head size that is a multiple of 32");
+  TORCH_CHECK(!tiles || (atiles::granted() && D % 32 == 0), "bfloat16 tiles need AMX's bfloat16 tiles (granted ",
+              "to this process) and a head size that is a multiple of 32");
 }
 
 template <typename F>

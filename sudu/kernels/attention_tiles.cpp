@@ -45,7 +45,7 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// tmm0..tmm3: C (16 x 16 float32); tmm4, tmm5: A; tmm6, tmm7: B. Every tile 16 rows x 64 bytes.
+// tmm0..tmm3: C (16 x 16 float32); tmm4: A; tmm6, tmm7: B. Every tile 16 rows x 64 bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -176,30 +176,27 @@ struct Buffers {
 };
 thread_local Buffers scratch;
 
+// Channels [32 c, 32 c + 32) of block key jj's row in pool (kv.kc or kv.vc) as bfloat16 if jj is in [a, b),
+// else zeros.
+template <Pool P>
+SUDU_AMXBF16 inline __m512i pool_row(const void* pool, const Keys& kv, int64_t j0, int64_t a, int64_t b, int64_t jj,
+                                     int64_t c) {
+  return jj >= a && jj < b ? bf16x32<P>(pool, (kv.slots[j0 + jj] * kv.Hkv + kv.g) * kv.D + c * 32)
+                           : _mm512_setzero_si512();
+}
+
 // The block's keys [a, b) (offsets from key index j0) as B operands, zeros for the other keys of their 16-key
 // column tiles.
 template <Pool P>
 SUDU_AMXBF16 void gather_keys(const Keys& kv, int64_t j0, int64_t a, int64_t b, uint32_t* kb) {
-  const int64_t D = kv.D;
   for (int64_t ct = a / 16; ct * 16 < b; ++ct)
-    for (int64_t c = 0; c < D / 32; ++c) {
+    for (int64_t c = 0; c < kv.D / 32; ++c) {
       __m512i r[16];
-      for (int64_t n = 0; n < 16; ++n) {
-        const int64_t jj = ct * 16 + n;
-        r[n] = jj >= a && jj < b ? bf16x32<P>(kv.kc, (kv.slots[j0 + jj] * kv.Hkv + kv.g) * D + c * 32)
-                                 : _mm512_setzero_si512();
-      }
+      for (int64_t n = 0; n < 16; ++n) r[n] = pool_row<P>(kv.kc, kv, j0, a, b, ct * 16 + n, c);
       transpose16(r);
       uint32_t* dst = kb + (c * (KB / 16) + ct) * 256;
       for (int n = 0; n < 16; ++n) _mm512_storeu_si512(dst + n * 16, r[n]);
     }
-}
-
-// Channels [32 c, 32 c + 32) of key jj's value as bfloat16 if jj is in [a, b), else zeros.
-template <Pool P>
-SUDU_AMXBF16 inline __m512i value_row(const Keys& kv, int64_t j0, int64_t a, int64_t b, int64_t jj, int64_t c) {
-  return jj >= a && jj < b ? bf16x32<P>(kv.vc, (kv.slots[j0 + jj] * kv.Hkv + kv.g) * kv.D + c * 32)
-                           : _mm512_setzero_si512();
 }
 
 // The block's values [a, b) as B operands in pairs of keys, zeros for the other keys of their 32-key halves.
@@ -213,7 +210,7 @@ SUDU_AMXBF16 void gather_values(const Keys& kv, int64_t j0, int64_t a, int64_t b
     for (int64_t pr = 0; pr < 16; ++pr) {
       const int64_t jj = h * 32 + 2 * pr;
       for (int64_t c = 0; c < D / 32; ++c) {
-        const __m512i x0 = value_row<P>(kv, j0, a, b, jj, c), x1 = value_row<P>(kv, j0, a, b, jj + 1, c);
+        const __m512i x0 = pool_row<P>(kv.vc, kv, j0, a, b, jj, c), x1 = pool_row<P>(kv.vc, kv, j0, a, b, jj + 1, c);
         uint32_t* dst = vb + (h * cts + 2 * c) * 256 + pr * 16;
         _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(x0, x1));
         _mm512_storeu_si512(dst + 256, _mm512_unpackhi_epi16(x0, x1));
@@ -247,17 +244,15 @@ SUDU_AMXBF16 inline void prefetch_keys(const Keys& kv, int64_t j0, int64_t j1) {
   }
 }
 
-// C tiles tmm0..tmm3, those in [lo, hi), += A . B_i: A loaded into register TA from a (rows lda bytes apart),
-// B_i the 16 x 64-byte operand at b + 256 i, in tmm6 / tmm7 by i's parity. Callers alternate TA between
-// tmm4 and tmm5 from one use to the next. A macro: the tile intrinsics take register numbers as literals.
-#define SUDU_TILE_PRODUCTS(TA, a, lda, b, lo, hi)                                              \
-  do {                                                                                         \
-    _tile_loadd(TA, a, lda);                                                                   \
-    if ((lo) <= 0 && 0 < (hi)) { _tile_loadd(6, b, 64); _tile_dpbf16ps(0, TA, 6); }           \
-    if ((lo) <= 1 && 1 < (hi)) { _tile_loadd(7, (b) + 256, 64); _tile_dpbf16ps(1, TA, 7); }   \
-    if ((lo) <= 2 && 2 < (hi)) { _tile_loadd(6, (b) + 512, 64); _tile_dpbf16ps(2, TA, 6); }   \
-    if ((lo) <= 3 && 3 < (hi)) { _tile_loadd(7, (b) + 768, 64); _tile_dpbf16ps(3, TA, 7); }   \
-  } while (0)
+// C tiles tmm0..tmm3, those in [lo, hi), += A . B_i: A (tmm4) loaded from a, its rows lda bytes apart; B_i the
+// 16 x 64-byte operand at b + 256 i, in tmm6 / tmm7 by i's parity.
+SUDU_AMXBF16 inline void tile_products(const void* a, int64_t lda, const uint32_t* b, int64_t lo, int64_t hi) {
+  _tile_loadd(4, a, lda);
+  if (lo <= 0 && 0 < hi) { _tile_loadd(6, b, 64); _tile_dpbf16ps(0, 4, 6); }
+  if (lo <= 1 && 1 < hi) { _tile_loadd(7, b + 256, 64); _tile_dpbf16ps(1, 4, 7); }
+  if (lo <= 2 && 2 < hi) { _tile_loadd(6, b + 512, 64); _tile_dpbf16ps(2, 4, 6); }
+  if (lo <= 3 && 3 < hi) { _tile_loadd(7, b + 768, 64); _tile_dpbf16ps(3, 4, 7); }
+}
 
 // Scores of 16 query rows (qa, rows of D) for the block's 16-key column tiles [t0, t1) into s (rows of KB).
 SUDU_AMXBF16 void score_tiles(const uint16_t* qa, int64_t D, const uint32_t* kb, int64_t t0, int64_t t1,
@@ -266,13 +261,8 @@ SUDU_AMXBF16 void score_tiles(const uint16_t* qa, int64_t D, const uint32_t* kb,
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t c = 0; c < D / 32; ++c) {  // chunk after chunk of 32 channels
-    const uint32_t* k = kb + c * (KB / 16) * 256;
-    if (c % 2 == 0)
-      SUDU_TILE_PRODUCTS(4, qa + c * 32, D * 2, k, t0, t1);
-    else
-      SUDU_TILE_PRODUCTS(5, qa + c * 32, D * 2, k, t0, t1);
-  }
+  for (int64_t c = 0; c < D / 32; ++c)  // chunk after chunk of 32 channels
+    tile_products(qa + c * 32, D * 2, kb + c * (KB / 16) * 256, t0, t1);
   if (t0 <= 0 && 0 < t1) _tile_stored(0, s, KB * 4);
   if (t0 <= 1 && 1 < t1) _tile_stored(1, s + 16, KB * 4);
   if (t0 <= 2 && 2 < t1) _tile_stored(2, s + 32, KB * 4);
@@ -288,13 +278,7 @@ SUDU_AMXBF16 void value_tiles(const uint16_t* p, const uint32_t* vb, int64_t h0,
   if (n > 1) _tile_loadd(1, oc + 16, D * 4);
   if (n > 2) _tile_loadd(2, oc + 32, D * 4);
   if (n > 3) _tile_loadd(3, oc + 48, D * 4);
-  for (int64_t h = h0; h < h1; ++h) {
-    const uint32_t* v = vb + (h * cts + c0) * 256;
-    if (h % 2 == 0)
-      SUDU_TILE_PRODUCTS(4, p + h * 32, KB * 2, v, 0, n);
-    else
-      SUDU_TILE_PRODUCTS(5, p + h * 32, KB * 2, v, 0, n);
-  }
+  for (int64_t h = h0; h < h1; ++h) tile_products(p + h * 32, KB * 2, vb + (h * cts + c0) * 256, 0, n);
   _tile_stored(0, oc, D * 4);
   if (n > 1) _tile_stored(1, oc + 16, D * 4);
   if (n > 2) _tile_stored(2, oc + 32, D * 4);
@@ -372,12 +356,8 @@ SUDU_AMXBF16 void attend(const Keys& kv, const Rows& rw, float scale, const floa
     prefetch_keys<P>(kv, std::min(jhi, j0 + KB), std::min(jhi, j0 + 2 * KB));
     gather_keys<P>(kv, j0, a, b, w.kb.data());
     gather_values<P>(kv, j0, a, b, w.vb.data());
-    // row tile by row tile, the next tile's scores issued before this tile's softmax, so that the tile unit
-    // and the vector units work at the same time
-    const int64_t t0 = a / 16, t1 = (b + 15) / 16;
-    score_tiles(qa, D, w.kb.data(), t0, t1, w.s.data());
-    for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
-      if (r0 + 16 < Rp) score_tiles(qa + (r0 + 16) * D, D, w.kb.data(), t0, t1, w.s.data() + (r0 + 16) * KB);
+    for (int64_t r0 = 0; r0 < Rp; r0 += 16) {  // row tile by row tile: scores, softmax, values
+      score_tiles(qa + r0 * D, D, w.kb.data(), a / 16, (b + 15) / 16, w.s.data() + r0 * KB);
       for (int64_t r = r0; r < std::min(R, r0 + 16); ++r)
         row_weights(w.s.data() + r * KB, std::max(rw.lo[r], j0) - j0, std::min(rw.hi[r], j0 + KB) - j0,
                     w.m[r], w.l.data() + r * 16, pw + r * KB, o + r * D, D);

@@ -117,9 +117,10 @@ torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>
 // (absent biases as empty tensors; each layer's outputs whole tiles; models/llama.py).
 // A layer with experts (experts[l] = E > 0) has, after its post-attention norm, a router and E experts
 // instead of gate_up / down (moe.cpp sparse_moe: 1 + 4 E tensors, then the shared expert's 5 or 4).
-// k_caches / v_caches: each layer's pool, float32, float16, bfloat16 or int8; k_scales / v_scales: an int8 pool's float32 [Hkv, D]
-// scales (empty tensors for float32 pools); tiles: attention's bfloat16-tile arithmetic; slot_mapping, rows, slots, mask: the step's
-// AttentionView (decode batch). Returns the final norm of the residual stream [T, hidden].
+// k_caches / v_caches: each layer's pool, float32, float16, bfloat16 or int8; k_scales / v_scales: an int8
+// pool's float32 [Hkv, D] scales (empty tensors for float pools); tiles: attention's bfloat16-tile arithmetic;
+// slot_mapping, rows, slots, mask: the step's AttentionView (decode batch). Returns the final norm of the
+// residual stream [T, hidden].
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
                            std::vector<torch::Tensor> v_scales, bool tiles, torch::Tensor slot_mapping, torch::Tensor rows,
