@@ -37,9 +37,10 @@ def long_text() -> str:
     return "\n\n".join(p.read_text() for p in TEXTS) + "\n\n" + inspect.getsource(module)
 
 
-def variant_logits(model, ids: list[int], pool_dtype: torch.dtype, tiles: bool) -> torch.Tensor:
-    """Greedy tokens [n-1] and next-token log-probabilities [n-1] of one pass with the given pool and arithmetic."""
-    from sudu.engine.text_eval import forward_text
+def variant_scores(model, ids: list[int], pool_dtype: torch.dtype, tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probabilities [n-1] and greedy tokens [n-1] of one pass with the given pool and
+    arithmetic."""
+    from sudu.engine.text_eval import next_token_scores
     from sudu.layers.kv_cache import KVCache
 
     cfg = model.config
@@ -47,14 +48,7 @@ def variant_logits(model, ids: list[int], pool_dtype: torch.dtype, tiles: bool) 
     pools = [KVCache(len(ids), heads, k_dim, pool_dtype, v_head_dim=v_dim) for _ in range(cfg.num_hidden_layers)]
     for p in pools:
         p.bf16_tiles = tiles
-    hidden = forward_text(model, ids, pools)[:-1]
-    target = torch.tensor(ids[1:])
-    top, logp = [], []
-    for i in range(0, hidden.shape[0], 256):
-        logits = model.compute_logits(hidden[i:i + 256]).float()
-        top.append(logits.argmax(-1))
-        logp.append(torch.log_softmax(logits, -1).gather(1, target[i:i + 256, None])[:, 0])
-    return torch.cat(top), torch.cat(logp)
+    return next_token_scores(model, ids, pools, rows=256)
 
 
 def quality(name: str, tokens: int) -> None:
@@ -65,7 +59,7 @@ def quality(name: str, tokens: int) -> None:
     ids = llm.tokenizer.encode(long_text())[:tokens]
     print(f"\n## {name}: {len(ids)} tokens of text, teacher-forced (reference: float32 pool, float32 attention)")
     t = time.perf_counter()
-    ref_top, ref_logp = variant_logits(model, ids, torch.float32, False)
+    ref_logp, ref_top = variant_scores(model, ids, torch.float32, False)
     ref_ppl = math.exp(-ref_logp.mean().item())
     print(f"reference perplexity {ref_ppl:.4f} ({time.perf_counter() - t:.0f} s)")
     bins = [(0, 2048), (2048, 8192), (8192, 1 << 30)]
@@ -75,7 +69,7 @@ def quality(name: str, tokens: int) -> None:
     variants = (("float16, float32", torch.float16, False), ("float16, bfloat16 tiles", torch.float16, True),
                 ("bfloat16, bfloat16 tiles", torch.bfloat16, True))
     for label, dtype, tiles in variants:
-        top, logp = variant_logits(model, ids, dtype, tiles)
+        logp, top = variant_scores(model, ids, dtype, tiles)
         same = (top == ref_top).float()
         by_depth = [f"{same[a:b].mean().item():.2%}" if same[a:b].numel() else "-" for a, b in bins]
         ppl = math.exp(-logp.mean().item())

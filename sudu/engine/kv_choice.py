@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sudu.engine.model_runner import kv_value_ranges, range_recorders, set_int8_ranges
-from sudu.engine.text_eval import forward_text
+from sudu.engine.text_eval import next_token_scores
 from sudu.layers.kv_cache import (CALIBRATION_TEXT, KV_CACHE_DTYPES, KV_SCALE_MARGIN, Int8KVCache, KVCache,
                                   KVRangeRecorder, calibration_ids, network_ids)
 
@@ -183,12 +183,5 @@ def choose(requested: str, model: torch.nn.Module, tokenizer, device: torch.devi
 def _scores(model: torch.nn.Module, token_ids: list[int], pools: list[KVCache]):
     """(log-probability of each next token [n-1], greedy token at each position [n-1], the pools' recorded
     ranges if they are recorders) of one pass over token_ids."""
-    hidden = forward_text(model, token_ids, pools)[:-1]
-    target = torch.tensor(token_ids[1:])
-    logp, top = [], []
-    for i in range(0, hidden.shape[0], LOGIT_ROWS):
-        logits = model.compute_logits(hidden[i:i + LOGIT_ROWS]).float()
-        logp.append(torch.log_softmax(logits, dim=-1).gather(1, target[i:i + LOGIT_ROWS, None])[:, 0])
-        top.append(logits.argmax(-1))
-    ranges = [(p.k_max, p.v_max) for p in pools if isinstance(p, KVRangeRecorder)]
-    return torch.cat(logp), torch.cat(top), ranges
+    logp, top = next_token_scores(model, token_ids, pools, LOGIT_ROWS)
+    return logp, top, [(p.k_max, p.v_max) for p in pools if isinstance(p, KVRangeRecorder)]

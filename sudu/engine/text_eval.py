@@ -52,6 +52,21 @@ def text_logits(model: torch.nn.Module, token_ids: list[int], pools: list | None
         return model.compute_logits(forward_text(model, token_ids, pools)).float()
 
 
+@torch.inference_mode()
+def next_token_scores(model: torch.nn.Module, token_ids: list[int], pools: list, rows: int = 64
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each next token [n-1], greedy token at each position [n-1]) of one pass over
+    token_ids with the given pools; logits `rows` positions at a time (a vocabulary-wide row is large)."""
+    hidden = forward_text(model, token_ids, pools)[:-1]
+    target = torch.tensor(token_ids[1:])
+    logp, top = [], []
+    for i in range(0, hidden.shape[0], rows):
+        logits = model.compute_logits(hidden[i:i + rows]).float()
+        logp.append(torch.log_softmax(logits, dim=-1).gather(1, target[i:i + rows, None])[:, 0])
+        top.append(logits.argmax(-1))
+    return torch.cat(logp), torch.cat(top)
+
+
 def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
     """Perplexity of token_ids[1:] under logits[:-1] (logits at every position of token_ids)."""
     target = torch.tensor(token_ids[1:]).unsqueeze(1)
