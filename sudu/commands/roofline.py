@@ -136,10 +136,11 @@ def measure_decode(model: str, fmt: str, max_tokens: int = 64, threads: int = 2,
     return (n - 1) / (m.finished_time - m.first_token_time), head_bytes
 
 
-def measure_decode_at_depth(model: str, fmt: str, depth: int, max_tokens: int = 32, threads: int = 2
-                            ) -> tuple[float, float]:
-    """Single-stream greedy decode speed after a `depth`-token prompt (its prefill not timed), and the KV bytes
-    a decode step reads on average over the measured tokens (every layer's K and V of the context)."""
+def measure_decode_at_depths(model: str, fmt: str, depths: list[int], max_tokens: int = 32, threads: int = 2
+                             ) -> list[tuple[float, float]]:
+    """Per depth, single-stream greedy decode speed after a `depth`-token prompt (its prefill not timed) and the
+    KV bytes a decode step reads on average over the measured tokens (every layer's K and V of the context);
+    one engine for all of them."""
     from sudu.engine.llm import LLM
     from sudu.sampling import SamplingParams
 
@@ -147,13 +148,16 @@ def measure_decode_at_depth(model: str, fmt: str, depth: int, max_tokens: int = 
     llm = LLM(model, speculative="none", progress=False, num_threads=threads, greedy_head="full",
               enable_prefix_caching=False, **settings)
     words = llm.tokenizer.encode(PROMPT + " ")
-    prompt = (words * (depth // len(words) + 1))[:depth]
-    print(f"  decode after a {depth}-token prompt ({fmt}): prefilling...", flush=True)
-    result = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
-    m = result.metrics
-    n = len(result.token_ids)
-    kv = llm.engine.runner.kv_bytes_for_context(depth + n // 2)
-    return (n - 1) / (m.finished_time - m.first_token_time), kv
+    out = []
+    for depth in depths:
+        prompt = (words * (depth // len(words) + 1))[:depth]
+        print(f"  decode after a {depth}-token prompt ({fmt}): prefilling...", flush=True)
+        result = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+        m = result.metrics
+        n = len(result.token_ids)
+        out.append(((n - 1) / (m.finished_time - m.first_token_time),
+                    llm.engine.runner.kv_bytes_for_context(depth + n // 2)))
+    return out
 
 
 def parse_depths(text: str) -> list[int]:
@@ -173,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
     from sudu.weights.loader import load_checkpoint
 
+    depths = [] if args.no_measure else parse_depths(args.depths)  # a bad value is refused before any run
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(args.model, pull=True, progress=True)
     formats = [f.strip() for f in args.formats.split(",")]
@@ -205,10 +210,12 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*row(fmt, nbytes, measure_decode(args.model, fmt, args.max_tokens, args.threads)[0]))
         table.add_row(*bounded)
     # at depth a decode step reads the context's K and V too: the first format's rows, whole head
-    for depth in [] if args.no_measure else parse_depths(args.depths):
+    if depths:
         fmt = formats[0]
-        achieved, kv = measure_decode_at_depth(args.model, fmt, depth, args.max_tokens, args.threads)
-        table.add_row(*row(f"{fmt}, {depth}-token context", bytes_per_token(ckpt.config, fmt, ckpt) + kv, achieved))
+        measured = measure_decode_at_depths(args.model, fmt, depths, args.max_tokens, args.threads)
+        for depth, (achieved, kv) in zip(depths, measured):
+            table.add_row(*row(f"{fmt}, {depth}-token context", bytes_per_token(ckpt.config, fmt, ckpt) + kv,
+                               achieved))
     Console().print(table)
     return 0
 
