@@ -10,10 +10,10 @@ from sudu import kernels
 from sudu.engine import attention_choice
 from sudu.errors import SuduError
 from sudu.layers.kv_cache import make_kv_cache
+from tests.helpers.native_blocks import bf16_tiles, needs_bf16_tiles
 
 EXT = kernels.load()
-TILES = EXT is not None and EXT.bf16_tiles_granted()
-needs_tiles = pytest.mark.skipif(not TILES, reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant them)")
+TILES = bf16_tiles()
 
 
 def reference(q, k, v, lo, hi, scale):
@@ -27,7 +27,7 @@ def reference(q, k, v, lo, hi, scale):
     return torch.softmax(scores, -1) @ vv
 
 
-@needs_tiles
+@needs_bf16_tiles
 @pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(32, 4, 4, 0), (64, 14, 2, 0), (96, 6, 2, 0),
                                                             (128, 8, 2, 50), (256, 4, 1, 0)])
@@ -57,7 +57,7 @@ def test_tiles_compute_bfloat16_attention(kind, head_dim, heads, kv_heads, windo
         torch.testing.assert_close(out[:, h].double(), want, atol=tol, rtol=0)
 
 
-@needs_tiles
+@needs_bf16_tiles
 def test_a_row_that_sees_no_key_is_zeros_and_scores_far_below_the_max_weigh_nothing():
     """Window 1 (each row sees only itself) and keys that make most weights underflow: no NaN, no garbage."""
     g = torch.Generator().manual_seed(2)

@@ -15,6 +15,7 @@ import torch
 from sudu import kernels
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
+from tests.helpers.native_blocks import needs_bf16_tiles
 from tests.helpers.tiny_models import save_tiny_model
 
 ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v2"]
@@ -79,15 +80,9 @@ def reference(engines, model: str, fmt: str, prompts, params=GREEDY) -> list:
     return [answers(llm.generate([p], params))[0] for p in prompts]
 
 
-def bf16_tiles() -> bool:
-    ext = kernels.load()
-    return ext is not None and ext.bf16_tiles_granted()
-
-
 # attention's two arithmetics (engine/attention_choice.py); the bfloat16 tiles only where the CPU has them,
 # and the test says so where it does not
-ARITHMETICS = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not bf16_tiles(), reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant them)"))]
+ARITHMETICS = ["float32", pytest.param("bfloat16", marks=needs_bf16_tiles)]
 
 
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
@@ -155,7 +150,7 @@ def test_rows_do_not_depend_on_batch_or_chunks(engines, model, fmt):
         assert answers(engines(model, fmt, max_num_batched_tokens=budget).generate(prompts, GREEDY)) == ref, budget
 
 
-@pytest.mark.skipif(not bf16_tiles(), reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant them)")
+@needs_bf16_tiles
 @pytest.mark.parametrize("model", ["qwen2-hd32", "gemma3-hd32"])
 def test_bf16_tile_attention_keeps_every_answer(engines, model):
     """The bfloat16-tile arithmetic (auto's choice on an AMX machine for a float16 pool) gives each request

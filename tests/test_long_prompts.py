@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
-from sudu import kernels
 from sudu.engine.llm import LLM
 from sudu.sampling import SamplingParams
 from tests.helpers.greedy import reference_greedy
+from tests.helpers.native_blocks import needs_bf16_tiles
 from tests.helpers.tiny_models import build_hf_model, save_tiny_model
 
 LENGTH, TOKENS = 4500, 8
@@ -33,12 +31,7 @@ def test_greedy_tokens_past_4k_positions_equal_transformers(tmp_path):
     assert got.token_ids == want
 
 
-def tiles() -> bool:
-    ext = kernels.load()
-    return ext is not None and ext.bf16_tiles_granted()
-
-
-@pytest.mark.skipif(not tiles(), reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant them)")
+@needs_bf16_tiles
 def test_a_deep_prompt_on_the_tiles_is_the_same_in_every_chunking(tmp_path):
     path = save_tiny_model(tmp_path / "qwen2-hd32", "qwen2", head_dim=32, max_position_embeddings=8192)
     prompt = long_prompt(2)

@@ -1,5 +1,6 @@
 """Random GGUF blocks for the native kernels' tests, and the instruction sets this CPU can run them on."""
 import numpy as np
+import pytest
 
 from sudu import kernels
 from sudu.weights.gguf import QuantizedTensor
@@ -47,6 +48,17 @@ def isas() -> list[str]:
     if ext is None:
         return []
     return ["avx2"] + (["avx512vnni"] if ext.cpu_has_vnni() else []) + (["amx"] if ext.cpu_has_amx() else [])
+
+
+def bf16_tiles() -> bool:
+    """Whether this CPU runs attention's bfloat16 tiles (AMX-BF16 granted; never without the kernels)."""
+    ext = kernels.load()
+    return ext is not None and ext.bf16_tiles_granted()
+
+
+# a test of the bfloat16 tiles, reported as skipped with the reason where the CPU has none
+needs_bf16_tiles = pytest.mark.skipif(not bf16_tiles(),
+                                      reason="this CPU has no AMX bfloat16 tiles (or the OS does not grant them)")
 
 
 def on_isa(name: str):
