@@ -13,9 +13,10 @@ A setting is NAME:UNPACK:BYPASS:BLOCK_MIB:
 `off` for UNPACK or BYPASS: never. The switches change where values are computed and stored, never the
 values (tests/test_gguf_native.py, tests/test_linear.py).
 
-With --attention it times the prompt attention alone instead, on random data: the native kernel
-(kernels/prompt_attention.cpp) against SDPA's flash kernel with the kv heads expanded, with SDPA's own
-grouped heads, and in bfloat16, per layer of the model's head geometry.
+With --attention it times the prompt attention alone instead, on random data (a causal prompt of each length):
+the native kernel (kernels/attention.cpp prompt_attention) in float32 and, where the CPU has them, on AMX's
+bfloat16 tiles (kernels/attention_tiles.cpp), against SDPA's flash kernel with the kv heads expanded, with
+SDPA's own grouped heads, and in bfloat16, per layer of the model's head geometry.
 """
 from __future__ import annotations
 
