@@ -246,11 +246,11 @@ def test_int8_kv_cache_holds_twice_the_tokens_and_stays_close(llms):
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_int8_kv_scales_cover_the_calibration_pass(llms, arch, monkeypatch):
-    """The scales set at load cover every K and V value the calibration pass produced with the margin to
-    spare (K after rotary, as rotate-half pair norms: both channels of a pair share a scale), and values past
-    them saturate instead of wrapping."""
+    """The scales set at load cover every K and V value the calibration pass produced (K around its centre,
+    after rotary: both channels of a rotate-half pair share a scale and a bound), V with the margin to spare,
+    and values past them saturate instead of wrapping."""
     from sudu.layers import kv_cache as KC
-    from sudu.engine import model_runner
+    from sudu.engine import kv_calibration
 
     seen = []
     record = KC.KVRangeRecorder.write
@@ -260,14 +260,13 @@ def test_int8_kv_scales_cover_the_calibration_pass(llms, arch, monkeypatch):
     ids = KC.calibration_ids(eng.tokenizer, eng.model_config)
     assert len(ids) > 100
     seen.clear()
-    model_runner.calibrate_int8_kv(eng.runner.model, caches, ids)
+    kv_calibration.calibrate_int8_kv(eng.runner.model, caches, ids)
     assert len(seen) == len(caches)
-    limit = 127 / KC.KV_SCALE_MARGIN
     for cache, (_, k, v) in zip(caches, seen):
         half = cache.k_scale.shape[-1] // 2
         assert torch.equal(cache.k_scale[:, :half], cache.k_scale[:, half:])
-        for x, scale in ((k, cache.k_scale), (v, cache.v_scale)):
-            assert (x.float() / scale).abs().max() <= limit * (1 + 1e-5)
+        assert ((k.float() - cache.k_centre) / cache.k_scale).abs().max() <= 127 * (1 + 1e-5)
+        assert (v.float() / cache.v_scale).abs().max() <= 127 / KC.KV_SCALE_MARGIN * (1 + 1e-5)
     cache = caches[0]
     big = torch.full((1, *cache.k_scale.shape), 1e4)
     assert torch.equal(KC.Int8KVCache.quantize(big, cache.k_scale), torch.full(big.shape, 127, dtype=torch.int8))

@@ -26,6 +26,7 @@ def test_auto_resolves_to_a_measured_format(tiny_model_dirs):
     assert engine.kv_choice.dtype == chosen
     figures = engine.kv_choice.figures
     assert 0.0 <= figures["int8_agreement"] <= 1.0 and figures["check_tokens"] > 100
+    assert 0.0 <= figures["float16_agreement"] <= 1.0
     int8_holds = figures["int8_agreement"] >= kv_choice.MIN_AGREEMENT and figures["int8_ppl_rise"] <= kv_choice.MAX_PPL_RISE
     assert (chosen == "int8") == int8_holds
     expected = {"int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16}[chosen]
@@ -55,6 +56,7 @@ def test_the_check_picks_by_its_bars(tiny_model_dirs, monkeypatch, bars, expecte
         explicit = load(tiny_model_dirs["llama"], kv_cache_dtype="int8")
         for a, b in zip(llm.engine.runner.kv_caches, explicit.engine.runner.kv_caches):
             assert isinstance(a, Int8KVCache) and torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
+            assert torch.equal(a.k_centre, b.k_centre)
         got = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
         assert got == [r.token_ids for r in explicit.generate(PROMPTS, GREEDY)]
 

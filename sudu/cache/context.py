@@ -26,7 +26,7 @@ def model_identity(model: str, path: Path) -> str:
 def engine_namespace(config, model_cfg, model_path: Path, weight_format: str, kv_caches: list,
                      dtype, device) -> tuple[bytes, dict]:
     """(namespace id, its description): everything that makes a token's KV bytes differ."""
-    scales = [tensor_digest(c.k_scale) + tensor_digest(c.v_scale) for c in kv_caches
+    scales = [tensor_digest(c.k_scale) + tensor_digest(c.v_scale) + tensor_digest(c.k_centre) for c in kv_caches
               if getattr(c, "k_scale", None) is not None]
     description = {
         "model": config.model,

@@ -12,7 +12,8 @@ import torch
 from sudu.config import EngineConfig, default_num_threads
 from sudu.cuda.step import CudaStep, uses_cuda_path
 from sudu.engine import attention_choice
-from sudu.engine.text_eval import final_hidden, forward_text
+from sudu.engine.kv_calibration import calibrate_int8_kv, set_int8_ranges
+from sudu.engine.text_eval import final_hidden
 from sudu.engine.block_manager import SlidingWindowBlocks
 from sudu.engine.placement import resolve_device, resolve_dtype
 from sudu.engine.vision_inputs import VisionInputs
@@ -20,7 +21,7 @@ from sudu.errors import SuduError
 from sudu.layers.attention import build_metadata
 from sudu.layers import bounded_head, linear
 from sudu.layers.linear import prefill_attention_dtype
-from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder, calibration_ids
+from sudu.layers.kv_cache import calibration_ids
 from sudu.layers.kv_cache import layer_kv_bytes_per_token
 from sudu.layers.kv_cache import make_kv_cache
 from sudu.model_config import ModelConfig
@@ -46,37 +47,6 @@ def kv_bytes_per_token(model_cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtyp
     c = model_cfg
     heads, k_dim, v_dim = c.kv_cache_shape()
     return c.num_hidden_layers * layer_kv_bytes_per_token(kv_cache_dtype, heads, k_dim, dtype, v_dim)
-
-
-def range_recorders(model_cfg: ModelConfig, num_slots: int, device: torch.device | str = "cpu") -> list[KVRangeRecorder]:
-    """One float32 pool per layer that records its K and V ranges (layers/kv_cache.py KVRangeRecorder)."""
-    heads, k_dim, v_dim = model_cfg.kv_cache_shape()
-    spans = model_cfg.kv_rotary_spans()
-    return [KVRangeRecorder(num_slots, heads, k_dim, device, v_dim, spans) for _ in range(model_cfg.num_hidden_layers)]
-
-
-@torch.inference_mode()
-def kv_value_ranges(model: torch.nn.Module, token_ids: list[int], device: torch.device | str = "cpu") -> list:
-    """Per layer, (K's largest rotate-half pair norm, V's largest magnitude) per (kv head, channel) over
-    one forward pass of token_ids: what int8 KV scales are set from."""
-    if not token_ids:
-        raise SuduError("int8 KV calibration needs at least one token")
-    recorders = range_recorders(model.config, len(token_ids), device)
-    forward_text(model, token_ids, recorders)
-    return [(r.k_max, r.v_max) for r in recorders]
-
-
-def set_int8_ranges(caches: list, ranges: list) -> None:
-    """Sets the scales of the int8 pools among caches, each covering KV_SCALE_MARGIN times its range."""
-    for cache, (k_max, v_max) in zip(caches, ranges):
-        if isinstance(cache, Int8KVCache):
-            cache.set_range(k_max * KV_SCALE_MARGIN, v_max * KV_SCALE_MARGIN)
-
-
-def calibrate_int8_kv(model: torch.nn.Module, caches: list, token_ids: list[int]) -> None:
-    """Sets the scales of the int8 pools among caches (layers/kv_cache.py) from one calibration pass of
-    token_ids over temporary float32 pools that record every layer's K and V ranges."""
-    set_int8_ranges(caches, kv_value_ranges(model, token_ids, caches[0].k.device))
 
 
 def context_slots(tables: list[list[int]], ends: list[int], block_size: int) -> list[torch.Tensor]:

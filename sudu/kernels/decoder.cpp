@@ -38,10 +38,10 @@ void write_rows(T* dst, const int64_t* slots, const float* src, int64_t rows, in
 }
 
 // The new tokens' K or V (x: [T, Hkv, D], unit stride within a head) into the pool's slots: into a float32,
-// float16 or bfloat16 pool by write_rows; into an int8 one as round(x / scale) to nearest even, saturated at
-// +-127, which is what Int8KVCache.quantize computes.
+// float16 or bfloat16 pool by write_rows; into an int8 one as round((x - centre) / scale) to nearest even,
+// saturated at +-127, which is what Int8KVCache.quantize computes (centre: [Hkv, D], or empty for none).
 void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torch::Tensor& x,
-              const torch::Tensor& scale) {
+              const torch::Tensor& scale, const torch::Tensor& centre) {
   const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
   if (pool.scalar_type() != torch::kChar) {
     // a token's heads are one contiguous run in both (a slice of the fused qkv row; a pool slot)
@@ -63,8 +63,12 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
   TORCH_CHECK(x.stride(2) == 1 && scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
               scale.numel() == Hkv * D && pool.is_contiguous() && pool.size(1) == Hkv && pool.size(2) == D,
               "write_kv: bad int8 pool, scales or input");
+  const bool centred = centre.numel() > 0;
+  TORCH_CHECK(!centred || (centre.scalar_type() == torch::kFloat && centre.is_contiguous() && centre.numel() == Hkv * D),
+              "write_kv: bad int8 centres");
   const float* xp = x.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
+  const float* cp = centred ? centre.data_ptr<float>() : nullptr;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   int8_t* out = pool.data_ptr<int8_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -72,8 +76,10 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
     for (int64_t h = 0; h < Hkv; ++h) {
       const float* src = xp + t * x.stride(0) + h * x.stride(1);
       int8_t* dst = out + (slots[t] * Hkv + h) * D;
-      for (int64_t d = 0; d < D; ++d)
-        dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(src[d] / sp[h * D + d]))));
+      for (int64_t d = 0; d < D; ++d) {
+        const float value = centred ? src[d] - cp[h * D + d] : src[d];
+        dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(value / sp[h * D + d]))));
+      }
     }
   }
 }
@@ -94,10 +100,11 @@ torch::Tensor layer_input(size_t l, torch::Tensor& residual, const torch::Tensor
 // [T, H, D] attended over them (decode_attention): [T, H * D].
 torch::Tensor cache_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc,
                                torch::Tensor& vc, const torch::Tensor& ks, const torch::Tensor& vs,
-                               const torch::Tensor& slot_mapping, const torch::Tensor& rows, const torch::Tensor& slots,
+                               const torch::Tensor& kcentre, const torch::Tensor& slot_mapping,
+                               const torch::Tensor& rows, const torch::Tensor& slots,
                                const torch::Tensor& mask, double scale, bool tiles) {
-  write_kv(kc, slot_mapping, k, ks);
-  write_kv(vc, slot_mapping, v, vs);
+  write_kv(kc, slot_mapping, k, ks, kcentre);
+  write_kv(vc, slot_mapping, v, vs, torch::Tensor());
   auto att = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   decode_attention(q, kc, vc, ks, vs, rows, slots, mask, scale, att, tiles);
   return att.view({q.size(0), q.size(1) * q.size(2)});
@@ -118,17 +125,20 @@ torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>
 // A layer with experts (experts[l] = E > 0) has, after its post-attention norm, a router and E experts
 // instead of gate_up / down (moe.cpp sparse_moe: 1 + 4 E tensors, then the shared expert's 5 or 4).
 // k_caches / v_caches: each layer's pool, float32, float16, bfloat16 or int8; k_scales / v_scales: an int8
-// pool's float32 [Hkv, D] scales (empty tensors for float pools); tiles: attention's bfloat16-tile arithmetic;
+// pool's float32 [Hkv, D] scales (empty tensors for float pools); k_centres: its K centres [Hkv, D] (empty
+// for float pools); tiles: attention's bfloat16-tile arithmetic;
 // slot_mapping, rows, slots, mask: the step's AttentionView (decode batch). Returns the final norm of the
 // residual stream [T, hidden].
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales, bool tiles, torch::Tensor slot_mapping, torch::Tensor rows,
+                           std::vector<torch::Tensor> v_scales,
+                           std::vector<torch::Tensor> k_centres, bool tiles, torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                            torch::Tensor final_norm, std::vector<int64_t> experts, MoeParams moe) {
   const size_t L = k_caches.size();
-  TORCH_CHECK(experts.size() == L && v_caches.size() == L && k_scales.size() == L && v_scales.size() == L,
+  TORCH_CHECK(experts.size() == L && v_caches.size() == L && k_scales.size() == L && v_scales.size() == L &&
+                  k_centres.size() == L,
               "llama_decode: bad expert or pool list");
   const size_t shared = moe.shared == 1 ? 5 : moe.shared == 2 ? 4 : 0;
   // tensors of layer l: norm, qkv, o, norm (6), then the dense MLP's 4 or the router, experts and shared expert
@@ -145,7 +155,7 @@ torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     rotary_(qkv, cos, sin, heads + kv_heads);
     auto att = cache_and_attend(qkv.narrow(1, 0, heads), qkv.narrow(1, heads, kv_heads),
                                 qkv.narrow(1, heads + kv_heads, kv_heads), k_caches[l], v_caches[l], k_scales[l],
-                                v_scales[l], slot_mapping, rows, slots, mask, scale, tiles);
+                                v_scales[l], k_centres[l], slot_mapping, rows, slots, mask, scale, tiles);
     auto o = linear(att, weights, at + 3);
     std::tie(residual, h) = add_rms_norm(residual, o, weights[at + 5], eps);
     x = experts[l] ? sparse_moe(h, weights, at + 6, experts[l], moe) : gated_mlp(h, weights, at + 6);
@@ -179,13 +189,15 @@ View view_of(const std::vector<torch::Tensor>& v) {
 // down(gelu_tanh(gate) * up). Returns the final norm of the residual stream [T, hidden].
 torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales, bool tiles, std::vector<int64_t> sliding,
+                           std::vector<torch::Tensor> v_scales,
+                           std::vector<torch::Tensor> k_centres, bool tiles, std::vector<int64_t> sliding,
                            std::vector<torch::Tensor> full_view, std::vector<torch::Tensor> sliding_view,
                            torch::Tensor cos_global, torch::Tensor sin_global, torch::Tensor cos_local,
                            torch::Tensor sin_local, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
                            double scale, torch::Tensor final_norm) {
   const size_t L = k_caches.size();
-  TORCH_CHECK(v_caches.size() == L && k_scales.size() == L && v_scales.size() == L && sliding.size() == L &&
+  TORCH_CHECK(v_caches.size() == L && k_scales.size() == L && v_scales.size() == L && k_centres.size() == L &&
+                  sliding.size() == L &&
                   weights.size() == L * GEMMA_PER_LAYER,
               "gemma_decode: bad weight, pool or layer list");
   const View full = view_of(full_view), local = view_of(sliding_view);
@@ -202,7 +214,7 @@ torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     const View& v = sliding[l] ? local : full;
     rotary_(qk, sliding[l] ? cos_local : cos_global, sliding[l] ? sin_local : sin_global, H + Hk);
     auto att = cache_and_attend(qk.narrow(1, 0, H), qk.narrow(1, H, Hk), qkv.narrow(1, H + Hk, Hk), k_caches[l],
-                                v_caches[l], k_scales[l], v_scales[l], v.slot_mapping, v.rows, v.slots, v.mask, scale,
+                                v_caches[l], k_scales[l], v_scales[l], k_centres[l], v.slot_mapping, v.rows, v.slots, v.mask, scale,
                                 tiles);
     auto o = linear(att, w, at + 5);
     std::tie(residual, h) = add_rms_norm(residual, rms_norm(o, w[at + 7], eps), w[at + 8], eps);

@@ -99,13 +99,15 @@ torch::Tensor sparse_moe(const torch::Tensor& x, const std::vector<torch::Tensor
                          const MoeParams& p);
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales, bool tiles, torch::Tensor slot_mapping, torch::Tensor rows,
+                           std::vector<torch::Tensor> v_scales,
+                           std::vector<torch::Tensor> k_centres, bool tiles, torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                            torch::Tensor final_norm, std::vector<int64_t> experts, MoeParams moe);
 torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales, bool tiles, std::vector<int64_t> sliding,
+                           std::vector<torch::Tensor> v_scales,
+                           std::vector<torch::Tensor> k_centres, bool tiles, std::vector<int64_t> sliding,
                            std::vector<torch::Tensor> full_view, std::vector<torch::Tensor> sliding_view,
                            torch::Tensor cos_global, torch::Tensor sin_global, torch::Tensor cos_local,
                            torch::Tensor sin_local, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,

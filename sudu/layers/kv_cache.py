@@ -20,6 +20,14 @@ for headroom (margins compared: docs/cpu_speed.md, "int8 KV and hybrid attention
 embedding, as the norm of each rotate-half channel pair (i, i + D/2): a rotation moves a value between the
 two channels of its pair but never above the pair's norm, so the range holds at every position. Values
 past the range saturate at +-127 (never wrap).
+
+K is stored around a centre: a pair that a bias holds far from zero and that RoPE turns by less than half a
+circle over the model's positions (Qwen2.5's lowest-frequency K channels, up to ~150 against a variation of
+a few units) is stored as k - centre, with a half-range that covers the variation and the arc the bias
+sweeps (KVRangeRecorder.int8_range). The centre is one vector per (layer, kv head), so q . centre is the same
+for every key a query sees and softmax drops it: the attention kernels read the stored values unchanged.
+This cuts the 0.5B's KL divergence from the float32 pool about 4x (docs/cpu_speed.md, "int8 KV: K around
+a centre").
 """
 from __future__ import annotations
 
@@ -113,28 +121,74 @@ class KVCache:
 
 class KVRangeRecorder(KVCache):
     """A float32 pool that records, over everything written to it, K's largest rotate-half pair norm and V's
-    largest magnitude per (kv head, channel): the calibration pass's pool.
+    largest magnitude per (kv head, channel): the calibration pass's pool. Slots are positions (one sequence
+    from position 0, engine/text_eval.py forward_text).
 
     k_rotary: the (start, width) spans of K rotated in halves (a pair's norm bounds both its channels at any
-    position); K's other channels are bounded by their own magnitude. Default: all of K, one span."""
+    position); K's other channels are bounded by their own magnitude. Default: all of K, one span.
+    rotary: per span, its pairs' angles per position [width / 2] and the positions the model has; given, it
+    also records each pair's range before rotation, from which int8_range centres the pairs that turn by less
+    than half a circle over the model's positions."""
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
-                 v_head_dim: int | None = None, k_rotary: list[tuple[int, int]] | None = None):
+                 v_head_dim: int | None = None, k_rotary: list[tuple[int, int]] | None = None,
+                 rotary: tuple[list[torch.Tensor], int] | None = None):
         super().__init__(num_slots, num_kv_heads, head_dim, torch.float32, device, v_head_dim)
         self.k_max = torch.zeros(num_kv_heads, head_dim, device=device)
         self.v_max = torch.zeros(num_kv_heads, v_head_dim or head_dim, device=device)
         self.k_rotary = k_rotary if k_rotary is not None else [(0, head_dim)]
+        self.rotary = rotary
+        self.u_min = torch.full((num_kv_heads, head_dim), math.inf, device=device)
+        self.u_max = torch.full((num_kv_heads, head_dim), -math.inf, device=device)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = k.float(), v.float()
         bound = k.abs()
-        for start, width in self.k_rotary:
+        for i, (start, width) in enumerate(self.k_rotary):
             half = width // 2
-            pair = torch.hypot(k[..., start:start + half], k[..., start + half:start + width])
+            x1, x2 = k[..., start:start + half], k[..., start + half:start + width]
+            pair = torch.hypot(x1, x2)
             bound[..., start:start + width] = torch.cat([pair, pair], dim=-1)
+            if self.rotary is not None:  # undo the rotation: the pair as it was before RoPE turned it
+                angle = slots.double()[:, None, None] * self.rotary[0][i].double().to(k.device)
+                cos, sin = angle.cos().float(), angle.sin().float()
+                u = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+                span = slice(start, start + width)
+                torch.minimum(self.u_min[:, span], u.amin(0), out=self.u_min[:, span])
+                torch.maximum(self.u_max[:, span], u.amax(0), out=self.u_max[:, span])
         torch.maximum(self.k_max, bound.amax(0), out=self.k_max)
         torch.maximum(self.v_max, v.abs().amax(0), out=self.v_max)
         super().write(slots, k, v)
+
+    def int8_range(self, margin: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K's half-range around k_centre, V's half-range around 0, k_centre), each [kv heads, channels]: what
+        Int8KVCache.set_range takes.
+
+        By default a K pair is bounded by margin x its largest norm, around 0. A pair before rotation sits
+        within rho of its centre u (rho: the corner of its recorded box); RoPE turns u through an arc of angle
+        A = theta x (positions - 1). Where A < pi, every position's K lies within rho + |u| sin(A/2) of the
+        arc's chord midpoint R(A/2) u cos(A/2), so that point becomes the pair's centre and margin x rho +
+        |u| sin(A/2) its half-range, where this is the tighter bound (a pair that a large bias holds far from
+        zero, such as Qwen2.5's low-frequency K channels, then spends its 8 bits on its variation)."""
+        k_half, centre = self.k_max * margin, torch.zeros_like(self.k_max)
+        if self.rotary is not None and bool(torch.isfinite(self.u_min).any()):
+            thetas, positions = self.rotary
+            for (start, width), theta in zip(self.k_rotary, thetas):
+                half = width // 2
+                lo, hi = self.u_min[:, start:start + width], self.u_max[:, start:start + width]
+                mid, radius = (lo + hi) / 2, (hi - lo) / 2
+                u1, u2 = mid[:, :half], mid[:, half:]
+                rho = torch.hypot(radius[:, :half], radius[:, half:])
+                arc = theta.float().to(mid.device) * (positions - 1)
+                phi = (arc / 2).clamp(max=math.pi / 2)
+                cos, sin = phi.cos(), phi.sin()
+                c1, c2 = (u1 * cos - u2 * sin) * cos, (u2 * cos + u1 * sin) * cos
+                bound = margin * rho + torch.hypot(u1, u2) * sin
+                use = (arc < math.pi) & (bound < k_half[:, start:start + half])
+                span = slice(start, start + width)
+                k_half[:, span] = torch.where(use.repeat(1, 2), torch.cat([bound, bound], -1), k_half[:, span])
+                centre[:, span] = torch.where(use.repeat(1, 2), torch.cat([c1, c2], -1), centre[:, span])
+        return k_half, self.v_max * margin, centre
 
 
 class Int8KVCache(KVCache):
@@ -143,31 +197,38 @@ class Int8KVCache(KVCache):
         super().__init__(num_slots, num_kv_heads, head_dim, torch.int8, device, v_head_dim)
         self.k_scale: torch.Tensor | None = None  # float32 [num_kv_heads, head_dim], set by set_range
         self.v_scale: torch.Tensor | None = None
+        # K is stored as k - k_centre (float32 [num_kv_heads, head_dim], zeros where nothing is centred): one
+        # vector per head, so q . k_centre is the same for every key of a query and softmax drops it; the
+        # attention kernels read the stored values as they are
+        self.k_centre = torch.zeros(num_kv_heads, head_dim, device=device)
 
-    def set_range(self, k_max: torch.Tensor, v_max: torch.Tensor) -> None:
-        """Scales that map +-k_max / +-v_max ([num_kv_heads, head_dim]) to +-127."""
+    def set_range(self, k_max: torch.Tensor, v_max: torch.Tensor, k_centre: torch.Tensor | None = None) -> None:
+        """Scales that map k_centre +- k_max and +-v_max ([num_kv_heads, head_dim]) to +-127."""
         self.k_scale = (k_max.float() / 127.0).clamp_min(1e-8).contiguous().to(self.k.device)
         self.v_scale = (v_max.float() / 127.0).clamp_min(1e-8).contiguous().to(self.k.device)
+        if k_centre is not None:
+            self.k_centre = k_centre.float().contiguous().to(self.k.device)
 
     @staticmethod
-    def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def quantize(x: torch.Tensor, scale: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
         """Round to nearest even, saturating (kernels/decoder.cpp's KV write computes the same)."""
-        return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
+        x = x.float() if centre is None else x.float() - centre
+        return torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.k_scale is None:
             raise RuntimeError("int8 KV pool written before its scales were calibrated")
-        self.k.index_copy_(0, slots, self.quantize(k, self.k_scale))
+        self.k.index_copy_(0, slots, self.quantize(k, self.k_scale, self.k_centre))
         self.v.index_copy_(0, slots, self.quantize(v, self.v_scale))
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         flat = slots.reshape(-1)
-        k = self.k.index_select(0, flat).to(dtype) * self.k_scale.to(dtype)
+        k = self.k.index_select(0, flat).to(dtype) * self.k_scale.to(dtype) + self.k_centre.to(dtype)
         v = self.v.index_select(0, flat).to(dtype) * self.v_scale.to(dtype)
         return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
 
     def read_k(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        k = self.k.index_select(0, slots.reshape(-1)).to(dtype) * self.k_scale.to(dtype)
+        k = self.k.index_select(0, slots.reshape(-1)).to(dtype) * self.k_scale.to(dtype) + self.k_centre.to(dtype)
         return k.view(*slots.shape, *k.shape[1:])
 
 

@@ -26,12 +26,14 @@ def native_step(x: torch.Tensor, views: list, caches: list[KVCache]) -> bool:
             and all(type(c) is Int8KVCache or (type(c) is KVCache and c.k.dtype in NATIVE_POOL_DTYPES) for c in caches))
 
 
-def native_pools(caches: list[KVCache]) -> tuple[list, list, list, list, bool]:
-    """The native stack's pool lists: K pools, V pools, K scales, V scales (empty tensors for float pools), and
-    whether their attention takes the bfloat16 tiles (one arithmetic for the whole model: KVCache.bf16_tiles)."""
+def native_pools(caches: list[KVCache]) -> tuple[list, list, list, list, list, bool]:
+    """The native stack's pool lists: K pools, V pools, K scales, V scales, K centres (empty tensors for float
+    pools), and whether their attention takes the bfloat16 tiles (one arithmetic for the whole model:
+    KVCache.bf16_tiles)."""
     return ([c.k for c in caches], [c.v for c in caches],
             [c.k_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches],
-            [c.v_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches], caches[0].bf16_tiles)
+            [c.v_scale if type(c) is Int8KVCache else _NO_SCALE for c in caches],
+            [c.k_centre if type(c) is Int8KVCache else _NO_SCALE for c in caches], caches[0].bf16_tiles)
 
 
 def native_linear(p) -> list[torch.Tensor] | None:
