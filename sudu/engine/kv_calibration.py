@@ -11,14 +11,14 @@ import torch
 from sudu.engine.text_eval import forward_text
 from sudu.errors import SuduError
 from sudu.layers.kv_cache import KV_SCALE_MARGIN, Int8KVCache, KVRangeRecorder
-from sudu.layers.rotary import MRotaryEmbedding, RotaryEmbedding
+from sudu.layers.rotary import RotaryEmbedding
 from sudu.model_config import ModelConfig
 
 
 def rotary_angles(model: torch.nn.Module) -> list[tuple[list[torch.Tensor], int] | None]:
     """Per layer, (per rotary span of K: its pairs' angle per position [width / 2], the positions the table
-    has), or None where K's rotation is not one plain table (latent attention, multimodal rotary, a network
-    without the attribute): those layers' K is not centred."""
+    has), or None where K's rotation is not one plain table over the whole head (latent attention,
+    multimodal rotary, a network without the attribute): those layers' K is not centred."""
     cfg = model.config
     tables: list[RotaryEmbedding | None]
     if hasattr(model, "rotary_global"):  # Gemma 3: local tables on sliding layers, global ones elsewhere
@@ -29,8 +29,9 @@ def rotary_angles(model: torch.nn.Module) -> list[tuple[list[torch.Tensor], int]
     spans = cfg.kv_rotary_spans()
     out = []
     for table in tables:
-        if cfg.kv_lora_rank or type(table) is not RotaryEmbedding or isinstance(table, MRotaryEmbedding) \
-                or table.cos.shape[0] < 2 or len(spans) != 1 or table.cos.shape[1] != spans[0][1]:
+        plain = type(table) is RotaryEmbedding  # not multimodal rotary (a subclass), not absent
+        whole_head = len(spans) == 1 and plain and table.cos.shape[1] == spans[0][1]
+        if cfg.kv_lora_rank or not whole_head or table.cos.shape[0] < 2:
             out.append(None)
             continue
         half = spans[0][1] // 2
