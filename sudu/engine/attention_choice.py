@@ -22,13 +22,14 @@ def tiles_unavailable(device: torch.device, k_dim: int, v_dim: int) -> str | Non
     """Why the bfloat16 tiles cannot take this model's attention, or None when they can."""
     if device.type != "cpu":
         return f"attention runs on {device.type}, not the CPU"
+    # the model's shape first: the same reason on every machine
+    if k_dim != v_dim or k_dim % 32:
+        return f"the head size ({k_dim} for K, {v_dim} for V) is not one multiple of 32"
     ext = kernels.load()
     if ext is None:
         return "the native kernels are not loaded"
     if not ext.bf16_tiles_granted():
         return "this CPU has no AMX bfloat16 tiles (or the OS does not grant them)"
-    if k_dim != v_dim or k_dim % 32:
-        return f"the head size ({k_dim} for K, {v_dim} for V) is not one multiple of 32"
     return None
 
 
