@@ -6,10 +6,9 @@ On the CPU (float32 compute) auto picks, in order:
     token equals the float32 pool's at >= MIN_AGREEMENT of them, and the text's perplexity rises by at most
     MAX_PPL_RISE. These are the bars the native weights meet against the file (docs/cpu_speed.md): the
     default must not change what the model says. The reason line also gives the float16 pool's agreement
-    on the same text: on a model with many near-ties float16 misses the bar too (the 0.5B's: 98.1%). The
-    bar is not relative to float16's because a text this short cannot tell int8 from float16 (the 0.5B's
-    int8 with K centres agrees at 97.9% here, but 1.6 points below float16 over 4,096 tokens:
-    docs/cpu_speed.md, "int8 KV: K around a centre");
+    on the same text: on a model with many near-ties float16 misses the bar too. The bar is not relative to
+    float16's because a text this short cannot tell int8 from float16, which a long text does
+    (docs/cpu_speed.md, "int8 KV: K around a centre");
   * else float16 (half the bytes, 10 mantissa bits) when every K and V value seen on both texts, times
     FLOAT16_HEADROOM, stays below float16's largest value;
   * else bfloat16 (float32's range, 7 mantissa bits).
@@ -182,8 +181,7 @@ def choose(requested: str, model: torch.nn.Module, tokenizer, device: torch.devi
     bars = f"{MIN_AGREEMENT:.0%} / {MAX_PPL_RISE:+.1%}"
     if agreement >= MIN_AGREEMENT and rise <= MAX_PPL_RISE:
         return KVChoice("int8", f"{int8_line}, within {bars}", cal_ranges, figures)
-    peak = max(t.max().item() for r in cal_pass for t in (r.k_max, r.v_max))
-    peak = max([peak] + [t.max().item() for pair in check_ranges for t in pair])
+    peak = max(t.max().item() for pair in [(r.k_max, r.v_max) for r in cal_pass] + check_ranges for t in pair)
     figures["peak_kv_value"] = peak
     if peak * FLOAT16_HEADROOM < FLOAT16_MAX:
         return KVChoice("float16", f"{int8_line} misses {bars}; "

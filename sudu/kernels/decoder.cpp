@@ -64,7 +64,8 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
               scale.numel() == Hkv * D && pool.is_contiguous() && pool.size(1) == Hkv && pool.size(2) == D,
               "write_kv: bad int8 pool, scales or input");
   const bool centred = centre.numel() > 0;
-  TORCH_CHECK(!centred || (centre.scalar_type() == torch::kFloat && centre.is_contiguous() && centre.numel() == Hkv * D),
+  TORCH_CHECK(!centred || (centre.scalar_type() == torch::kFloat && centre.is_contiguous() &&
+                            centre.numel() == Hkv * D),
               "write_kv: bad int8 centres");
   const float* xp = x.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
@@ -96,8 +97,8 @@ torch::Tensor layer_input(size_t l, torch::Tensor& residual, const torch::Tensor
   return h;
 }
 
-// The new tokens' K and V (k, v: [T, Hkv, D]) into layer pools kc / vc at slot_mapping, then the queries q
-// [T, H, D] attended over them (decode_attention): [T, H * D].
+// The new tokens' K and V (k, v: [T, Hkv, D]) into layer pools kc / vc at slot_mapping (an int8 K pool's around
+// kcentre: write_kv), then the queries q [T, H, D] attended over them (decode_attention): [T, H * D].
 torch::Tensor cache_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc,
                                torch::Tensor& vc, const torch::Tensor& ks, const torch::Tensor& vs,
                                const torch::Tensor& kcentre, const torch::Tensor& slot_mapping,
@@ -131,8 +132,8 @@ torch::Tensor gated_mlp(const torch::Tensor& x, const std::vector<torch::Tensor>
 // residual stream [T, hidden].
 torch::Tensor llama_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales,
-                           std::vector<torch::Tensor> k_centres, bool tiles, torch::Tensor slot_mapping, torch::Tensor rows,
+                           std::vector<torch::Tensor> v_scales, std::vector<torch::Tensor> k_centres, bool tiles,
+                           torch::Tensor slot_mapping, torch::Tensor rows,
                            torch::Tensor slots, torch::Tensor mask, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                            torch::Tensor final_norm, std::vector<int64_t> experts, MoeParams moe) {
@@ -189,8 +190,8 @@ View view_of(const std::vector<torch::Tensor>& v) {
 // down(gelu_tanh(gate) * up). Returns the final norm of the residual stream [T, hidden].
 torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> k_scales,
-                           std::vector<torch::Tensor> v_scales,
-                           std::vector<torch::Tensor> k_centres, bool tiles, std::vector<int64_t> sliding,
+                           std::vector<torch::Tensor> v_scales, std::vector<torch::Tensor> k_centres, bool tiles,
+                           std::vector<int64_t> sliding,
                            std::vector<torch::Tensor> full_view, std::vector<torch::Tensor> sliding_view,
                            torch::Tensor cos_global, torch::Tensor sin_global, torch::Tensor cos_local,
                            torch::Tensor sin_local, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
@@ -214,8 +215,8 @@ torch::Tensor gemma_decode(torch::Tensor x, std::vector<torch::Tensor> weights, 
     const View& v = sliding[l] ? local : full;
     rotary_(qk, sliding[l] ? cos_local : cos_global, sliding[l] ? sin_local : sin_global, H + Hk);
     auto att = cache_and_attend(qk.narrow(1, 0, H), qk.narrow(1, H, Hk), qkv.narrow(1, H + Hk, Hk), k_caches[l],
-                                v_caches[l], k_scales[l], v_scales[l], k_centres[l], v.slot_mapping, v.rows, v.slots, v.mask, scale,
-                                tiles);
+                                v_caches[l], k_scales[l], v_scales[l], k_centres[l], v.slot_mapping, v.rows,
+                                v.slots, v.mask, scale, tiles);
     auto o = linear(att, w, at + 5);
     std::tie(residual, h) = add_rms_norm(residual, rms_norm(o, w[at + 7], eps), w[at + 8], eps);
     auto gate_up = linear(h, w, at + 9);

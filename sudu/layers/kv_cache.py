@@ -26,8 +26,8 @@ circle over the model's positions (Qwen2.5's lowest-frequency K channels, up to 
 a few units) is stored as k - centre, with a half-range that covers the variation and the arc the bias
 sweeps (KVRangeRecorder.int8_range). The centre is one vector per (layer, kv head), so q . centre is the same
 for every key a query sees and softmax drops it: the attention kernels read the stored values unchanged.
-This cuts the 0.5B's KL divergence from the float32 pool about 4x (docs/cpu_speed.md, "int8 KV: K around
-a centre").
+What it gains, and where it does not help (Gemma 3's normalized K): docs/cpu_speed.md, "int8 KV: K around
+a centre".
 """
 from __future__ import annotations
 
