@@ -18,7 +18,7 @@ from sudu.sampling import SamplingParams
 from tests.helpers.native_blocks import needs_bf16_tiles
 from tests.helpers.tiny_models import save_tiny_model
 
-ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v2"]
+ARCHS = ["qwen2", "llama", "gemma3", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "deepseek_v2", "deepseek_v32"]
 LENGTHS = [3, 70, 16, 17, 5, 31, 64, 65, 12, 100, 33, 48, 7, 90, 129, 40]  # 16 prompts, mixed lengths
 TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
@@ -132,13 +132,7 @@ MATRIX = [(arch, "int8") for arch in ARCHS] + [("qwen2", "int4"), ("gemma3", "in
                                                ("qwen2-gguf", "auto")]
 
 
-def xfail_mla(arch: str):
-    return pytest.param(*arch, marks=pytest.mark.xfail(
-        strict=True, reason="MLA's latent attention (layers/mla.py) still runs on SDPA, whose sums depend on the "
-                            "query count")) if arch[0].startswith("deepseek") else arch
-
-
-@pytest.mark.parametrize("model,fmt", [xfail_mla(m) for m in MATRIX])
+@pytest.mark.parametrize("model,fmt", MATRIX)
 def test_rows_do_not_depend_on_batch_or_chunks(engines, model, fmt):
     prompts = prompts_of(LENGTHS, seed=1)
     ref = reference(engines, model, fmt, prompts)
@@ -181,8 +175,8 @@ def test_bf16_tile_attention_keeps_every_answer(engines, model):
 SPLITS = [16, 32, 20, 40, 64]  # 1 and 2 blocks, mid-block, all but the last token (prompts of 65)
 
 
-@pytest.mark.parametrize("model,fmt", [("qwen2", "int8"), ("gemma3", "int8"), ("qwen3moe", "int8"), ("qwen2", "int4"),
-                                       ("qwen2-gguf", "auto")])
+@pytest.mark.parametrize("model,fmt", [("qwen2", "int8"), ("gemma3", "int8"), ("qwen3moe", "int8"),
+                                       ("deepseek_v2", "int8"), ("qwen2", "int4"), ("qwen2-gguf", "auto")])
 def test_cached_prefix_gives_the_uncached_answer(engines, model, fmt):
     prompts = prompts_of([65] * len(SPLITS), seed=2)
     ref = reference(engines, model, fmt, prompts)

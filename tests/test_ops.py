@@ -84,6 +84,22 @@ def test_rotary_in_place_matches_apply_rotary(head_dim):
     assert torch.equal(wide[:, :6], out)
 
 
+@pytest.mark.parametrize("K,N", [(16, 32), (48, 24), (128, 512)])  # 24: a tail after the 16-wide columns
+def test_head_matmul_rows_are_the_same_in_any_call(K, N):
+    """Latent attention's per-head products (kernels/latent.cpp): torch.bmm's values within float32
+    rounding, and each row's bits the same alone, in a call of 1 to 4 rows and in any block of a long call,
+    through a strided view (the query's nope part)."""
+    ext = kernels.load()
+    T, H = 37, 3
+    x = torch.randn(T, H, K + 8, generator=g(9))[..., :K]
+    w = torch.randn(H, K, N, generator=g(10)) / K ** 0.5
+    whole = ext.head_matmul(x, w)
+    ref = torch.bmm(x.double().transpose(0, 1), w.double()).transpose(0, 1)
+    torch.testing.assert_close(whole.double(), ref, rtol=1e-5, atol=1e-5)
+    for t0, t1 in [(36, 37), (5, 7), (0, 3), (10, 14), (3, 37)]:
+        assert torch.equal(ext.head_matmul(x[t0:t1], w), whole[t0:t1]), (t0, t1)
+
+
 @pytest.mark.parametrize("arch,fmt,kv", [("qwen2", "int4", "float32"), ("qwen2", "int8", "bfloat16"), ("qwen2", "int4", "int8"),
                                          ("qwen2", "int4", "float16"),
                                          # routed experts: a dense layer among routed ones with a gated shared

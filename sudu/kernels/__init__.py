@@ -1,12 +1,12 @@
 """Native CPU kernels, compiled on first use.
 
 `load()` returns the compiled extension (bindings.cpp: quant_linear.cpp's quantized linear layers,
-attention.cpp's attention over the paged KV pool, ops.cpp's elementwise decoder steps, decoder.cpp's
-decode-step stack), or None when it cannot
-be used: `SUDU_NO_EXT=1`, a CPU without AVX2/FMA, or a failed compile. Callers then take the PyTorch
-path; a failure is reported once as a one-line warning, never raised, because the extension is a speed
-lever, not a requirement. With `SUDU_REQUIRE_NATIVE=1` (CI sets it: .ci/run) a failed compile raises
-instead, so a green run cannot hide a default CPU path that went untested. The build is cached under $SUDU_HOME/torch_extensions so only the first
+attention.cpp's attention over the paged KV pool, ops.cpp's elementwise decoder steps, latent.cpp's MLA
+products, decoder.cpp's decode-step stack), or None when it cannot be used: `SUDU_NO_EXT=1`, a CPU without
+AVX2/FMA, or a failed compile. Callers then take the PyTorch path; a failure is reported once as a one-line
+warning, never raised, because the extension is a speed lever, not a requirement. With
+`SUDU_REQUIRE_NATIVE=1` (CI sets it: .ci/run) a failed compile raises instead, so a green run cannot hide a
+default CPU path that went untested. The build is cached under $SUDU_HOME/torch_extensions so only the first
 process pays the ~30-60 s compile.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "bindings.cpp", "quant_linear.cpp", "act_quant.cpp", "gguf_tiles.cpp", "amx_tiles.cpp", "attention.cpp",
-    "attention_tiles.cpp", "ops.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
+    "attention_tiles.cpp", "ops.cpp", "latent.cpp", "decoder.cpp", "moe.cpp", "bounded_head.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

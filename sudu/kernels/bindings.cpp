@@ -48,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prompt_attention", &prompt_attention,
         "a prompt chunk's attention over its key slots in the pool (causal from `first`, optional window), into out",
         py::call_guard<py::gil_scoped_release>());
+  m.def("head_matmul", &head_matmul, "out[t, h] = x[t, h] @ w[h], each output one FMA chain (latent.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows: x * rsqrt(mean(x^2) + eps) * w");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("silu_mul", &silu_mul, "[T, 2I] gate | up -> silu(gate) * up");

@@ -70,6 +70,9 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
                       bool tiles);
 void prompt_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor ks, torch::Tensor vs,
                       torch::Tensor slots, torch::Tensor out, int64_t first, int64_t window, double scale, bool tiles);
+// out[t, h] = x[t, h] @ w[h] for x [T, H, K], w [H, K, N] float32: each output one fused multiply-add chain
+// over k, whatever T (latent.cpp; layers/mla.py's per-head products).
+torch::Tensor head_matmul(torch::Tensor x, torch::Tensor w);
 // Whether this CPU has AMX's bfloat16 tiles (with AVX-512 BF16) and the OS grants them to this process.
 bool bf16_tiles_granted();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);

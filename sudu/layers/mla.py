@@ -12,6 +12,11 @@ into W_UK [qk_nope, lora] and W_UV [v_head, lora], a head's score q_nope . (W_UK
 latent space once per token, all heads attend over the same [c ; k_pe] keys with c as the values (one
 attention head of heads x new-token query rows), and W_UV maps each head's latent output back. No
 per-head key or value is ever built for the context.
+
+With the native kernels, both steps keep a row's numbers independent of what is computed with it
+(docs/exactness.md): the per-head products run as one multiply-add chain per output (kernels/latent.cpp
+head_matmul) and the attention through the paged kernels' row recipe (kernels/attention.cpp) over the
+sequence's gathered [c ; k_pe] keys. Without them, torch.bmm and SDPA, whose sums depend on the row count.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sudu import kernels
 from sudu.layers.attention import AttentionMetadata
 from sudu.layers.kv_cache import KVCache
 from sudu.layers.fuse import fuse_linears
@@ -61,6 +67,46 @@ def sparse_rows(q, index, cache: KVCache, key_slots, mask, q_start: int, scale: 
         out[rows] = attend_selected(q[rows], keys, valid, scale, lora)
 
 
+def head_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, H, K] @ w [H, K, N] per head -> [T, H, N]; natively one fused multiply-add chain per output."""
+    ext = kernels.load()
+    if ext is not None and x.is_cpu and x.dtype == w.dtype == torch.float32 and w.shape[-1] % 8 == 0:
+        return ext.head_matmul(x, w.contiguous())
+    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+
+
+def latent_keys(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The keys [c ; k_pe] of the entries at slots (any shape), as [slots.numel(), 1, lora + rope]."""
+    k_pe, c = cache.read(slots.reshape(-1), dtype)
+    return torch.cat([c, k_pe], dim=-1)
+
+
+_NO_SCALES = torch.empty(0)
+
+
+def native_latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float) -> torch.Tensor | None:
+    """Dense latent attention through the native paged kernels (the row recipe of kernels/attention.cpp),
+    each sequence over its gathered keys with the keys as values (the rotary columns of the output are
+    dropped), or None where they cannot take it (no extension, not float32 on the CPU, a width that is not a
+    multiple of 8). The full view's key lists start at position 0, so the gathered keys' blocks sit at their
+    absolute positions as the kernels require."""
+    ext = kernels.load()
+    if ext is None or not q.is_cpu or q.dtype != torch.float32 or q.shape[-1] % 8:
+        return None
+    out = torch.empty_like(q)
+    for s in view.seqs:
+        keys = latent_keys(cache, s.key_slots, q.dtype)
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        ext.prompt_attention(q[rows], keys, keys, _NO_SCALES, _NO_SCALES, torch.arange(keys.shape[0]), out[rows],
+                             s.first, 0, scale, False)
+    d = view.decode
+    if d is not None:
+        keys = latent_keys(cache, d.slots, q.dtype)
+        slots = torch.arange(keys.shape[0]).view(d.slots.shape)
+        ext.decode_attention(q, keys, keys, _NO_SCALES, _NO_SCALES, d.rows, slots, d.mask[:, 0], scale, out, False)
+    return out[..., :cache.v.shape[-1]]
+
+
 def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float, index=None) -> torch.Tensor:
     """q: [T, H, kv_lora_rank + rope] (latent-space queries, rotary part last) for the new tokens, whose
     entries are already in the pool. Returns each head's latent output [T, H, kv_lora_rank].
@@ -71,6 +117,10 @@ def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float, index=
     index: DeepSeek Sparse Attention's (queries [T, heads, dim], weights [T, heads], top-k) from
     LightningIndexer; the pool's K then holds [k_pe ; index key], and every query row, prompt or decode,
     attends over the top-k keys top_k_keys picks for it, gathered (layers/sparse_index.py)."""
+    if index is None:
+        native = native_latent_attention(q, cache, view, scale)
+        if native is not None:
+            return native
     T, H, D = q.shape
     lora = cache.v.shape[-1]
     rope = D - lora
@@ -206,7 +256,7 @@ class LatentAttention(nn.Module):
         if w_uk is None:
             w = self.kv_b_proj.weight.view(H, self.nope + self.v_head, self.lora)
             w_uk, w_uv = w[:, :self.nope], w[:, self.nope:].transpose(1, 2)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, lora]: W_UK^T q_nope
-        o = latent_attention(torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1), cache, meta.full, self.scale, index)
-        o = torch.bmm(o.transpose(0, 1), w_uv)  # [H, T, v_head]: W_UV o
-        return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_head))
+        q_lat = head_products(q_nope, w_uk)  # [T, H, lora]: W_UK^T q_nope
+        o = latent_attention(torch.cat([q_lat, q_pe], dim=-1), cache, meta.full, self.scale, index)
+        o = head_products(o, w_uv)  # [T, H, v_head]: W_UV o
+        return self.o_proj(o.reshape(T, H * self.v_head))
