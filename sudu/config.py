@@ -103,8 +103,9 @@ class EngineConfig:
     stream_interval: int = 1
     # false (the default): a request's greedy and seeded output is a function of the request alone, whatever
     # shares its steps, however its prompt is chunked or cached (docs/exactness.md). true: long prompt chunks'
-    # linears as bfloat16 (AMX) or float32 (AVX2) GEMMs and their attention in bfloat16, faster prompts whose
-    # numbers depend on the chunk's row count (the price and gain: docs/exactness.md)
+    # linears as bfloat16 GEMMs on AMX and their attention in bfloat16, faster prompts whose numbers depend on
+    # the chunk's row count (the price and gain: docs/exactness.md); without AMX it changes nothing (the
+    # integer kernel is the faster path there)
     fast_math: bool = False
     # vision-language models: bytes of image embeddings kept by content hash (engine/vision_inputs.py), so an
     # image sent again (the next turn of a conversation, the same screenshot) is not encoded again

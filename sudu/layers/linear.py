@@ -21,8 +21,9 @@ operations at every M and on either instruction set, so results are bit for bit 
 of how a prompt is chunked and of what is cached (docs/exactness.md).
 With --fast-math (fast_prefill below) prompt chunks of PREFILL_MIN_ROWS+ rows instead dequantize slices of
 output channels (each temporary under DEQUANT_SLICE_BYTES) and run GEMMs, where that is faster on the CPU's
-multiply units (prefill_path): with AMX tiles, bfloat16 GEMMs from 256 rows; AVX2 only, float32 GEMMs from
-513; with AVX-512 VNNI and no AMX, never (its int8 dot products issue at twice bfloat16's rate there). A
+multiply units (prefill_path): with AMX tiles, bfloat16 GEMMs from 256 rows; elsewhere never (AVX-512 VNNI's
+int8 dot products issue at twice bfloat16's rate; on AVX2 the integer kernel with int16 sums and q8_K
+activations outruns float32 GEMMs at 2,048-row chunks: docs/exactness.md). A
 row's numbers then depend on how many rows share its step: opt-in, with its price in docs/exactness.md.
 Without the extension (SUDU_NO_EXT=1, no AVX2, failed compile) every call takes the second path with
 PyTorch ops: correct, but decode loses the quantization speed-up. (PyTorch's own packed kernels,
@@ -62,12 +63,12 @@ def prefill_path() -> tuple[torch.dtype, int]:
     - AMX: oneDNN's bfloat16 tile GEMMs run at several times the kernel's rate from a few hundred rows;
     - AVX-512 VNNI without AMX (Zen 4, AVX-512 Xeons whose AMX is not granted): `vpdpbusd` does twice the
       multiply-adds per instruction of `vdpbf16ps`, so the kernel stays ahead at every row count;
-    - AVX2 only: float32 GEMMs catch up with the kernel's `maddubs` at about 512 rows."""
+    - AVX2 only: the kernel (int16 sums, q8_K activations) is ahead of float32 GEMMs too: a cold 2,048-token
+      prompt ran at 0.63x the exact default's speed with them (docs/exactness.md), so it keeps every row
+      count. --fast-math then changes nothing on these CPUs."""
     if _cpu_has_amx_bf16():
         return torch.bfloat16, 256
-    if kernels.cpu_has_vnni():
-        return torch.float32, NEVER
-    return torch.float32, 513
+    return torch.float32, NEVER
 
 
 # The invariant default: the integer kernel at every row count (fast_prefill switches it per engine step).
