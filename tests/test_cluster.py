@@ -19,6 +19,7 @@ from sudu.bench.local_server import free_port
 from sudu.cluster.serve import ROUTING_STATS_PERIOD_S
 from sudu.cluster.cache_view import ReplicaCache, choose, expand, prompt_block_ids, short_id, summarize
 from sudu.config import EngineConfig
+from sudu.server.responses import _LOGPROB_FLOOR as LOGPROB_FLOOR
 from sudu.sampling import SamplingParams
 
 MAX_MODEL_LEN = 1024
@@ -158,6 +159,9 @@ def _serve(tiny_model_dirs, log, *flags):
     port = free_port()
     cmd = [sys.executable, "-m", "sudu.cli", "serve", str(tiny_model_dirs["llama"]), "--port", str(port), *flags,
            "--replica-cpus", "1", "--disk-cache-size", "0", "--max-model-len", str(MAX_MODEL_LEN),
+           # int8: the tiny model's float weights would run PyTorch GEMMs, whose sums depend on the row count
+           # (docs/exactness.md), and the replicas' answers are compared bit for bit with one engine's
+           "--quantization", "int8",
            "--kv-cache-memory", "16MiB", "--served-model-name", "tiny", "--shutdown-timeout", "5"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -191,21 +195,32 @@ def _complete(url: str, prompt, max_tokens: int = 8, **extra) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
 
 
+def _one_engine(llm, prompts) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy 8 tokens and their logprobs (as the server writes them: floored, never -inf) from
+    one engine, all prompts in one batch."""
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
+    return [(o.outputs[0].token_ids, [max(lp.logprob, LOGPROB_FLOOR) for lp in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params)]
+
+
 @pytest.mark.slow
 def test_outputs_through_the_router_equal_one_engine(cluster, tiny_model_dirs):
     from sudu.engine.llm import LLM
 
     _, url = cluster
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(20)]
-    llm = LLM(str(tiny_model_dirs["llama"]), max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20)
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
+    llm = LLM(str(tiny_model_dirs["llama"]), max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20,
+              quantization="int8")
+    expected = _one_engine(llm, prompts)
     replicas = set()
-    for prompt, want in zip(prompts, expected):
+    for prompt, (want, want_logprobs) in zip(prompts, expected):
         r = _complete(url, prompt, logprobs=0)
         assert r.status_code == 200, r.text
         body = r.json()
         got = [llm.tokenizer.token_to_id(t) for t in body["choices"][0]["logprobs"]["tokens"]]
         assert body["choices"][0]["text"] == llm.tokenizer.decode(want), (got, want)
+        # bit for bit: the replica computed each token's logprob as one engine computes it in a batch of 20
+        assert body["choices"][0]["logprobs"]["token_logprobs"] == want_logprobs
         replicas.add(body["sudu"]["replica"])
         assert r.headers["x-sudu-route"].startswith(f"replica={body['sudu']['replica']};")
     assert len(replicas) == 2  # distinct prompts, no cached prefix: the load spreads
@@ -352,13 +367,16 @@ def test_pd_split_outputs_equal_one_engine_and_report_the_handoff(pd_cluster, ti
     _, url = pd_cluster
     assert httpx.get(url + "/health", timeout=10).json()["replicas"] == {"running": 2, "target": 2}
     prompts = [_tokens(7 * i, 20 + 9 * i) for i in range(8)]
-    llm = LLM(str(tiny_model_dirs["llama"]), max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20)
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
-    for prompt, want in zip(prompts, expected):
-        r = _complete(url, prompt)
+    llm = LLM(str(tiny_model_dirs["llama"]), max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20,
+              quantization="int8")
+    expected = _one_engine(llm, prompts)
+    for prompt, (want, want_logprobs) in zip(prompts, expected):
+        r = _complete(url, prompt, logprobs=0)
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["text"] == llm.tokenizer.decode(want)
+        # the decode replica continued from imported blocks: the same bits as one engine's uncached batch
+        assert body["choices"][0]["logprobs"]["token_logprobs"] == want_logprobs
         timing = body["sudu"]
         blocks = (len(prompt) - 1) // BLOCK
         assert timing["handoff_blocks"] == blocks and timing["handoff_imported_blocks"] == blocks
