@@ -5,8 +5,8 @@ cannot cancel out. Checked: next-token argmax on 22 prompts in one batch (8 on t
 completion of a code prompt (16 on the 1.5B), token for token, for the 0.5B and Gemma 3 270M, and for the
 1.5B too with SUDU_TEST_ALL_REAL=1 (its 6 GB a side in float32 for the state dict, and four minutes of the
 suite); and the dequantized weights tensor by tensor. Slow: marked; the models are pulled from the offline
-catalog on first use. Each reference is loaded once for both checks and dropped before sudu's engine loads, so the 1.5B never holds
-two float32 copies of its weights at once."""
+catalog on first use. Each reference is loaded once for both checks and dropped before sudu's engine loads,
+so the 1.5B never holds two float32 copies of its weights at once."""
 from __future__ import annotations
 
 import gc

@@ -52,7 +52,8 @@ torch::Tensor head_matmul(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1 && x.device().is_cpu(),
               "x must be float32 [T, H, K] on the CPU with unit stride within a head");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(0) == x.size(1) &&
-              w.size(1) == x.size(2) && w.size(2) % 8 == 0, "w must be contiguous float32 [H, K, N], N a multiple of 8");
+              w.size(1) == x.size(2) && w.size(2) % 8 == 0,
+              "w must be contiguous float32 [H, K, N], N a multiple of 8");
   const int64_t T = x.size(0), H = x.size(1), K = x.size(2), N = w.size(2);
   auto out = torch::empty({T, H, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
