@@ -23,7 +23,7 @@ from sudu.cuda.paged_attention import paged_attention as paged_kernel
 from sudu.layers.kv_cache import NATIVE_POOL_DTYPES, Int8KVCache, KVCache
 from sudu.layers.fuse import fuse_linears
 
-_EMPTY = torch.empty(0)  # a float pool's scales
+NO_SCALES = torch.empty(0)  # a float pool's scales, as the native kernels take them
 
 
 NATIVE_MAX_Q = 8  # the native kernel takes batches whose sequences have at most this many new tokens
@@ -323,7 +323,7 @@ def paged_attention(
         return paged_kernel(q, cache.k, cache.v, view.paged, scale, out, *scales)
     dtype = meta.sdpa_dtype or q.dtype
     native = prompt_kernel(q, cache, dtype) if view.seqs else None
-    pool_scales = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (_EMPTY, _EMPTY)
+    pool_scales = (cache.k_scale, cache.v_scale) if isinstance(cache, Int8KVCache) else (NO_SCALES, NO_SCALES)
     for s in view.seqs:
         if native is not None:
             native(q[s.q_start:s.q_start + s.q_len], cache.k, cache.v, *pool_scales, s.key_slots,

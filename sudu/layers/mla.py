@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sudu import kernels
-from sudu.layers.attention import AttentionMetadata
+from sudu.layers.attention import NO_SCALES, AttentionMetadata
 from sudu.layers.kv_cache import KVCache
 from sudu.layers.fuse import fuse_linears
 from sudu.layers.linear import FloatWeight
@@ -81,9 +81,6 @@ def latent_keys(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torc
     return torch.cat([c, k_pe], dim=-1)
 
 
-_NO_SCALES = torch.empty(0)
-
-
 def native_latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float) -> torch.Tensor | None:
     """Dense latent attention through the native paged kernels (the row recipe of kernels/attention.cpp),
     each sequence over its gathered keys with the keys as values (the rotary columns of the output are
@@ -97,13 +94,13 @@ def native_latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float)
     for s in view.seqs:
         keys = latent_keys(cache, s.key_slots, q.dtype)
         rows = slice(s.q_start, s.q_start + s.q_len)
-        ext.prompt_attention(q[rows], keys, keys, _NO_SCALES, _NO_SCALES, torch.arange(keys.shape[0]), out[rows],
+        ext.prompt_attention(q[rows], keys, keys, NO_SCALES, NO_SCALES, torch.arange(keys.shape[0]), out[rows],
                              s.first, 0, scale, False)
     d = view.decode
     if d is not None:
         keys = latent_keys(cache, d.slots, q.dtype)
         slots = torch.arange(keys.shape[0]).view(d.slots.shape)
-        ext.decode_attention(q, keys, keys, _NO_SCALES, _NO_SCALES, d.rows, slots, d.mask[:, 0], scale, out, False)
+        ext.decode_attention(q, keys, keys, NO_SCALES, NO_SCALES, d.rows, slots, d.mask[:, 0], scale, out, False)
     return out[..., :cache.v.shape[-1]]
 
 
@@ -132,8 +129,7 @@ def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float, index=
         if index is not None:
             sparse_rows(q, index, cache, s.key_slots, mask, s.q_start, scale, rope, out)
             continue
-        k_all, c = cache.read(s.key_slots, q.dtype)  # [keys, 1, rope], [keys, 1, lora]
-        keys = torch.cat([c, k_all], dim=-1)[:, 0]
+        keys = latent_keys(cache, s.key_slots, q.dtype)[:, 0]
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).reshape(1, 1, H * s.q_len, D)
         o = F.scaled_dot_product_attention(qs, keys[None, None], keys[None, None],
                                            attn_mask=_fold_heads_mask(mask, H), scale=scale)
@@ -155,8 +151,7 @@ def latent_attention(q: torch.Tensor, cache: KVCache, view, scale: float, index=
         else:
             qd = q.index_select(0, d.rows.reshape(-1).clamp_min(0)).view(B, max_q, H, D)
             qd = qd.transpose(1, 2).reshape(B, 1, H * max_q, D)
-            k_all, c = cache.read(d.slots, q.dtype)  # [B, keys, 1, rope], [B, keys, 1, lora]
-            keys = torch.cat([c, k_all], dim=-1)[:, :, 0]
+            keys = latent_keys(cache, d.slots, q.dtype).view(*d.slots.shape, D)
             # a batch without padding (e.g. one decoding sequence) needs no mask, and SDPA's fused kernel
             # takes it without one
             mask = None if bool(d.mask.all()) else _fold_heads_mask(d.mask, H)
