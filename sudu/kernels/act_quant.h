@@ -6,13 +6,14 @@
 #include <vector>
 
 #include "quant_tiles.h"
+#include "simd.h"
 
 namespace qtiles {
 
 // The activation rows of one call, quantized once (Acts): q8_0 and q8_K, each only when a range reads it.
 struct ActRows {
   int64_t K = 0, nb = 0;
-  std::vector<int8_t> xq, kq;
+  Aligned<int8_t> xq, kq;  // on a cache line: the AMX tiles load 32-byte rows of them
   std::vector<float> sx, xsum, ksx;
   std::vector<int32_t> isum, kpair, k16pair;
   std::vector<int16_t> kf;

@@ -20,8 +20,9 @@
 // high bits, and the offsets the VNNI kernels remove in int32 taken out of the codes instead (int8's +128,
 // Q5_0's -16: the same integer sums).
 //
-// Per 16 rows and weight tile, the blocks go in batches of BATCH: a batch's tile products are issued before
-// the float steps of the batch before it, so the tile unit and the vector units work at the same time.
+// Per 16 rows and weight tile, the blocks go in batches (batch_of): a batch's tile products are issued before
+// the float steps of the batch before it. (On the Xeon VMs measured, tile and vector work did not overlap:
+// their cycles add; docs/cpu_speed.md "AMX int8 tiles".)
 #include "amx_tiles.h"
 
 #include <cpuid.h>
@@ -62,8 +63,12 @@ TileConfig config_for(int64_t fmt) {
 }
 const TileConfig tile_config = config_for(INT8), half_config = config_for(Q6_K);
 
-// Blocks per batch of tile products (a K-quant super-block is one batch).
+// Blocks per batch of tile products: a K-quant super-block is one batch (its int32 sums stay in registers
+// until its float steps; batches of 2 or 4 blocks were 3-10% slower), the other formats two blocks (their
+// sums are read back sooner: gate_proj at 512 rows 1.13x faster than in batches of 8; docs/cpu_speed.md).
 constexpr int64_t BATCH = 8;
+template <int64_t F>
+constexpr int64_t batch_of() { return F == Q4_K || F == Q5_K || F == Q6_K ? BATCH : 2; }
 // A batch's sums, per block (Q6_K: per 16-column half) 16 rows x 16 int32 at C's row stride of 64 bytes.
 constexpr int64_t SLOT = AMX_ROWS * 16;
 using Sums = int32_t[2][2 * BATCH * SLOT];
@@ -182,17 +187,18 @@ SUDU_AMX inline void group_steps(const uint8_t* tp, const uint8_t* codes, int64_
 template <int64_t F>
 SUDU_AMX void rows16(const uint8_t* tp, const uint8_t* codes, const Acts& a, const float* bias, float* y, int64_t ldy,
                      bool bypass, Sums& s) {
-  const int64_t nb = a.nb, K = a.K, batches = (nb + BATCH - 1) / BATCH;
   constexpr bool KQ = F == Q4_K || F == Q5_K || F == Q6_K;
+  constexpr int64_t NB = batch_of<F>();
+  const int64_t nb = a.nb, K = a.K, batches = (nb + NB - 1) / NB;
   const int8_t* xq = KQ ? a.kq : a.xq;
   __m512 acc[AMX_ROWS];
 #pragma GCC unroll 16
   for (int i = 0; i < AMX_ROWS; ++i) acc[i] = _mm512_setzero_ps();
   constexpr int64_t U = F == Q6_K ? 2 : 1;  // units per block
-  products<F>(xq, K, codes, 0, U * std::min(BATCH, nb), s[0]);
+  products<F>(xq, K, codes, 0, U * std::min(NB, nb), s[0]);
   for (int64_t k = 0; k < batches; ++k) {
-    const int64_t b0 = k * BATCH, n = std::min(BATCH, nb - b0);
-    if (k + 1 < batches) products<F>(xq, K, codes, U * (b0 + BATCH), U * std::min(nb, b0 + 2 * BATCH), s[(k + 1) % 2]);
+    const int64_t b0 = k * NB, n = std::min(NB, nb - b0);
+    if (k + 1 < batches) products<F>(xq, K, codes, U * (b0 + NB), U * std::min(nb, b0 + 2 * NB), s[(k + 1) % 2]);
     const int32_t* sk = s[k % 2];
     if constexpr (KQ) {
       group_steps<F>(tp, codes, k, sk, a, acc);

@@ -139,22 +139,6 @@ SUDU_AMXBF16 inline void transpose16(__m512i* r) {
   }
 }
 
-// A std::allocator whose blocks start on a cache line: a tile row that straddles two lines makes every tile
-// load and store several times slower.
-template <typename T>
-struct LineAligned {
-  using value_type = T;
-  LineAligned() = default;
-  template <typename U>
-  LineAligned(const LineAligned<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  template <typename U>
-  bool operator==(const LineAligned<U>&) const { return true; }
-};
-template <typename T>
-using Aligned = std::vector<T, LineAligned<T>>;
-
 struct Buffers {
   Aligned<uint16_t> qa, p;  // [Rp, D] queries, [Rp, KB] weights (bfloat16)
   Aligned<float> s, o, m, l;  // [Rp, KB] scores, [Rp, D] accumulators, per-row max, [Rp, 16] sums

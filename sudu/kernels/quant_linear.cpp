@@ -332,7 +332,7 @@ void run_tiles(const Tiles& j, int64_t M, int64_t t0, int64_t t1) {
     run(t0, t1 - t0, nullptr, 0);
     return;
   }
-  thread_local std::vector<uint8_t> unpacked;
+  thread_local Aligned<uint8_t> unpacked;  // tile loads of rows that straddle cache lines run several times slower
   if (amx) {
     // each tile's codes as AMX operands once (GGUF: the layout the VNNI kernels read too), then its rows
     amx_configure(j.fmt);

@@ -5,7 +5,25 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
+#include <vector>
+
+// A std::allocator whose blocks start on a cache line: a tile row that straddles two lines makes every tile
+// load and store several times slower.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+};
+template <typename T>
+using Aligned = std::vector<T, LineAligned<T>>;
 
 // f(std::integral_constant<int, R>, m) over all M rows in chunks of at most MAXR (R a compile-time row count).
 template <int MAXR, class F>
