@@ -102,6 +102,17 @@ void ActRows::quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8
   };
   if (M >= 16 && !at::in_parallel_region()) at::parallel_for(0, M, 8, rows);
   else rows(0, M);
+  const int64_t groups = M / 16;
+  sx16.resize(q8_0 ? groups * nb * 16 : 0);
+  xsum16.resize(sx16.size());
+  kf16.resize(q8_K ? groups * nb * 16 : 0);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t o = (g * nb + b) * 16 + i, r = (16 * g + i) * nb + b;
+        if (q8_0) sx16[o] = sx[r], xsum16[o] = xsum[r];
+        if (q8_K) kf16[o] = kf[r];
+      }
 }
 
 }  // namespace qtiles

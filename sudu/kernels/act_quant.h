@@ -17,6 +17,11 @@ struct ActRows {
   std::vector<float> sx, xsum, ksx;
   std::vector<int32_t> isum, kpair, k16pair;
   std::vector<int16_t> kf;
+  // sx, xsum and kf again for each whole group of 16 rows, by block: [group][block][16 rows]. The AMX kernel
+  // broadcasts a block's value for each of its 16 rows; from one base address per block it needs no register
+  // per row (with the row-major arrays the compiler ran out of them and moved addresses through vectors).
+  Aligned<float> sx16, xsum16;
+  Aligned<int32_t> kf16;
 
   // Rows in parallel (a prompt chunk's hundreds of rows), each row's values independent of the others.
   //   q8_0: per 32 columns d = amax / 127, codes x * (1 / d).
@@ -27,8 +32,14 @@ struct ActRows {
   void quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K);
   Acts at(int64_t m) const {
     auto row = [](const auto& v, int64_t off) { return v.empty() ? nullptr : v.data() + off; };
-    return Acts{row(xq, m * K), row(sx, m * nb), row(xsum, m * nb), row(isum, m * nb),
-                row(kq, m * K), row(ksx, m * nb / 8), row(kf, m * nb), row(kpair, m * nb / 2), row(k16pair, m * nb), K, nb};
+    Acts a{row(xq, m * K), row(sx, m * nb), row(xsum, m * nb), row(isum, m * nb),
+           row(kq, m * K), row(ksx, m * nb / 8), row(kf, m * nb), row(kpair, m * nb / 2), row(k16pair, m * nb), K, nb};
+    if (m % 16 == 0) {
+      const int64_t off = m * nb;  // group m / 16's [nb][16]
+      if (off < static_cast<int64_t>(sx16.size())) a.sx16 = sx16.data() + off, a.xsum16 = xsum16.data() + off;
+      if (off < static_cast<int64_t>(kf16.size())) a.kf16 = kf16.data() + off;
+    }
+    return a;
   }
 };
 

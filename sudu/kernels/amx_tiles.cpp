@@ -113,16 +113,16 @@ SUDU_AMX inline void block_steps(const uint8_t* tp, int64_t b, const int32_t* sb
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp + b * group_bytes(Q5_0) + block_bytes(Q5_0))));
 #pragma GCC unroll 16
     for (int i = 0; i < AMX_ROWS; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums_of(sb, i)), _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[i * nb + b])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums_of(sb, i)), _mm512_mul_ps(dv, _mm512_set1_ps(a.sx16[16 * b + i])), acc[i]);
   } else {
     const uint8_t* at = F == INT4 ? tp + b * Q4_BLOCK_BYTES + 256 : q8_scales(tp, b);
     const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
     const __m512 mv = F == INT4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32))) : sv;
 #pragma GCC unroll 16
     for (int i = 0; i < AMX_ROWS; ++i) {
-      const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx[i * nb + b]), sv);
+      const __m512 d = _mm512_mul_ps(_mm512_set1_ps(a.sx16[16 * b + i]), sv);
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums_of(sb, i)), d, acc[i]);
-      if constexpr (F == INT4) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum[i * nb + b]), acc[i]);
+      if constexpr (F == INT4) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xsum16[16 * b + i]), acc[i]);
     }
   }
 }
@@ -147,7 +147,7 @@ SUDU_AMX inline void group_steps(const uint8_t* tp, const uint8_t* codes, int64_
       const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32 * j + 16)));
 #pragma GCC unroll 16
       for (int i = 0; i < AMX_ROWS; ++i) {
-        const __m512i f = _mm512_set1_epi32(a.kf[i * nb + b]);
+        const __m512i f = _mm512_set1_epi32(a.kf16[16 * b + i]);
         iS[i] = _mm512_add_epi32(iS[i], _mm512_add_epi32(_mm512_mullo_epi32(sums_of(s + SLOT * 2 * j, i), _mm512_madd_epi16(sa, f)),
                                                          _mm512_mullo_epi32(sums_of(s + SLOT * (2 * j + 1), i), _mm512_madd_epi16(sb, f))));
       }
@@ -155,7 +155,7 @@ SUDU_AMX inline void group_steps(const uint8_t* tp, const uint8_t* codes, int64_
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16 * j)));
 #pragma GCC unroll 16
       for (int i = 0; i < AMX_ROWS; ++i)
-        iS[i] = _mm512_add_epi32(iS[i], _mm512_mullo_epi32(sums_of(s + SLOT * j, i), _mm512_madd_epi16(sc, _mm512_set1_epi32(a.kf[i * nb + b]))));
+        iS[i] = _mm512_add_epi32(iS[i], _mm512_mullo_epi32(sums_of(s + SLOT * j, i), _mm512_madd_epi16(sc, _mm512_set1_epi32(a.kf16[16 * b + i]))));
     }
   }
   const uint8_t* up = codes + nb * UNPACKED_BLOCK + g * UNPACKED_GROUP;

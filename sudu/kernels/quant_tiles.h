@@ -69,6 +69,11 @@ struct Acts {
   bool stream = true;
   // Whether the outputs go past the caches (non-temporal stores: kernels.h KernelOptions::bypass_min_rows).
   bool bypass = false;
+  // From a row that starts a whole group of 16 (act_quant.h ActRows::sx16): the group's sx, xsum and kf by
+  // block, [block][16 rows], else null.
+  const float* sx16 = nullptr;
+  const float* xsum16 = nullptr;
+  const int32_t* kf16 = nullptr;
   inline int x4(int i, int64_t col) const { return *reinterpret_cast<const int*>(xq + i * K + col); }
   inline int k4(int i, int64_t col) const { return *reinterpret_cast<const int*>(kq + i * K + col); }
 };
