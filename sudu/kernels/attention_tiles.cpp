@@ -212,7 +212,8 @@ SUDU_AMXBF16 inline void unpermute(__m512 lo, __m512 hi, __m512& first, __m512& 
 }
 
 // Asks for the keys and values of key indices [j0, j1) ahead of their use: a block's rows are scattered over
-// the pool, so without it each block waits on memory key by key.
+// the pool, so without it each block waits on memory key by key (two blocks ahead, prefetcht1, or the
+// requests spread over the gathers measured no faster; docs/cpu_speed.md "Decode at depth on AMX").
 template <Pool P>
 SUDU_AMXBF16 inline void prefetch_keys(const Keys& kv, int64_t j0, int64_t j1) {
   constexpr int64_t bytes = P == Pool::F32 ? 4 : P == Pool::I8 ? 1 : 2;
@@ -222,8 +223,8 @@ SUDU_AMXBF16 inline void prefetch_keys(const Keys& kv, int64_t j0, int64_t j1) {
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t at = (kv.slots[j] * kv.Hkv + kv.g) * row;
     for (int64_t c = 0; c < row; c += 64) {
-      _mm_prefetch(kc + at + c, _MM_HINT_T0);
-      _mm_prefetch(vc + at + c, _MM_HINT_T0);
+      prefetch_line(kc + at + c);
+      prefetch_line(vc + at + c);
     }
   }
 }

@@ -25,6 +25,10 @@ struct LineAligned {
 template <typename T>
 using Aligned = std::vector<T, LineAligned<T>>;
 
+// A prefetch of p's line into every cache level (prefetcht0). An asm statement, because GCC 12 emitted no
+// instruction for _mm_prefetch / __builtin_prefetch in the attention kernels' templates (their objects had none).
+inline void prefetch_line(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+
 // f(std::integral_constant<int, R>, m) over all M rows in chunks of at most MAXR (R a compile-time row count).
 template <int MAXR, class F>
 inline void row_chunks(int64_t M, F&& f) {
