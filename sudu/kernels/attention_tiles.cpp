@@ -7,8 +7,9 @@
 //   d in 32-channel chunks, chunk after chunk into one float32 accumulator; invisible keys -inf;
 //   the running max m: where a block has a score above m (on the row's first block, m = -inf), m' = the
 //   block's max, l = l * exp(m - m') and o = o * exp(m - m') (std::exp), m = m'; otherwise m stays;
-//   w = bf16(weights16(score, m)) (2^((score - m) log2 e) by a polynomial and vscalefps); l += w lane-wise
-//   (16 lanes, the block's four 16-key vectors in order); o += TDPBF16PS's sums of w * bf16(v) over the
+//   w = bf16(weights16(score, m)) (2^((score - m) log2 e) by a polynomial and vscalefps); l += w in 16 lanes,
+//   the block's two 32-key halves in order, lane i taking keys 2i + 1 then 2i of a half (VDPBF16PS against
+//   ones); o += TDPBF16PS's sums of w * bf16(v) over the
 //   block's keys, in 32-key halves; at the end out = o * (1 / l's lanes summed by a fixed halving tree)
 //   (int8 pool: * vs).
 //
@@ -77,11 +78,6 @@ SUDU_AMXBF16 inline __m512i bf16x32(const void* base, int64_t i) {
     }
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   }
-}
-
-// 16 bfloat16 as float32 (exact).
-SUDU_AMXBF16 inline __m512 widen(__m256i b) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
 // The weights of 16 scores x given the row's running max m, visible lanes only (others exactly 0):
@@ -295,11 +291,15 @@ SUDU_AMXBF16 inline void row_weights(const float* sr, int64_t jb, int64_t je, fl
     m = m_new;
   }
   const __m512 mv = _mm512_set1_ps(m * 1.44269504088896341f);
+  // the weights as the products take them, summed by VDPBF16PS against ones: per lane i of a 32-weight half,
+  // l_i += w_{2i+1}, then l_i += w_{2i} (float32, rounded each time; denormals flushed, as the tiles do)
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
   __m512 sum = _mm512_loadu_ps(l);
-  for (int v = 0; v < 4; ++v) {
-    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(weights16(x[v], mv, static_cast<__mmask16>(vis >> (16 * v))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v), pb);
-    sum = _mm512_add_ps(sum, widen(pb));  // the weights as the products take them
+  for (int v = 0; v < 4; v += 2) {
+    const __m512bh pb = _mm512_cvtne2ps_pbh(weights16(x[v + 1], mv, static_cast<__mmask16>(vis >> (16 * v + 16))),
+                                            weights16(x[v], mv, static_cast<__mmask16>(vis >> (16 * v))));
+    _mm512_storeu_si512(pr + 16 * v, (__m512i)pb);
+    sum = _mm512_dpbf16_ps(sum, pb, ones);
   }
   _mm512_storeu_ps(l, sum);
 }
