@@ -64,7 +64,7 @@ TileConfig config_for(int64_t fmt) {
 const TileConfig tile_config = config_for(INT8), half_config = config_for(Q6_K);
 
 // Blocks per batch of tile products: a K-quant super-block is one batch (its int32 sums stay in registers
-// until its float steps; batches of 2 or 4 blocks were 3-10% slower), the other formats two blocks (their
+// until its float steps; batches of 2 or 4 blocks were up to 20% slower), the other formats two blocks (their
 // sums are read back sooner: gate_proj at 512 rows 1.13x faster than in batches of 8; docs/cpu_speed.md).
 constexpr int64_t BATCH = 8;
 template <int64_t F>
@@ -108,7 +108,6 @@ SUDU_AMX void products(const int8_t* xq, int64_t K, const uint8_t* codes, int64_
 // min term).
 template <int64_t F>
 SUDU_AMX inline void block_steps(const uint8_t* tp, int64_t b, const int32_t* sb, const Acts& a, __m512* acc) {
-  const int64_t nb = a.nb;
   if constexpr (F == Q5_0) {
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp + b * group_bytes(Q5_0) + block_bytes(Q5_0))));
 #pragma GCC unroll 16

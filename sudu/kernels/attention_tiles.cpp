@@ -9,9 +9,8 @@
 //   block's max, l = l * exp(m - m') and o = o * exp(m - m') (std::exp), m = m'; otherwise m stays;
 //   w = bf16(weights16(score, m)) (2^((score - m) log2 e) by a polynomial and vscalefps); l += w in 16 lanes,
 //   the block's two 32-key halves in order, lane i taking keys 2i + 1 then 2i of a half (VDPBF16PS against
-//   ones); o += TDPBF16PS's sums of w * bf16(v) over the
-//   block's keys, in 32-key halves; at the end out = o * (1 / l's lanes summed by a fixed halving tree)
-//   (int8 pool: * vs).
+//   ones); o += TDPBF16PS's sums of w * bf16(v) over the block's keys, in 32-key halves; at the end
+//   out = o * (1 / l's lanes summed by a fixed halving tree) (int8 pool: * vs).
 //
 // Why every row gets its own recipe whatever else the call computes: a tile product's output row depends only
 // on its own A row (the row's query, or its weights) and on B (the block's keys or values, the same for every
