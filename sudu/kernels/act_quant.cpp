@@ -52,7 +52,7 @@ inline int32_t int16_pair(int32_t lo, int32_t hi) {
 
 }  // namespace
 
-void ActRows::quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K) {
+void ActRows::quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K, bool by_group) {
   K = K_;
   nb = K / 32;
   if (q8_0) {
@@ -102,7 +102,7 @@ void ActRows::quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8
   };
   if (M >= 16 && !at::in_parallel_region()) at::parallel_for(0, M, 8, rows);
   else rows(0, M);
-  const int64_t groups = M / 16;
+  const int64_t groups = by_group ? M / 16 : 0;
   sx16.resize(q8_0 ? groups * nb * 16 : 0);
   xsum16.resize(sx16.size());
   kf16.resize(q8_K ? groups * nb * 16 : 0);

@@ -17,9 +17,10 @@ struct ActRows {
   std::vector<float> sx, xsum, ksx;
   std::vector<int32_t> isum, kpair, k16pair;
   std::vector<int16_t> kf;
-  // sx, xsum and kf again for each whole group of 16 rows, by block: [group][block][16 rows]. The AMX kernel
-  // broadcasts a block's value for each of its 16 rows; from one base address per block it needs no register
-  // per row (with the row-major arrays the compiler ran out of them and moved addresses through vectors).
+  // sx, xsum and kf again for each whole group of 16 rows, by block: [group][block][16 rows], where the call
+  // takes the AMX tiles (quantize's by_group). The AMX kernel broadcasts a block's value for each of its 16
+  // rows; from one base address per block it needs no register per row (with the row-major arrays the
+  // compiler ran out of them and moved addresses through vectors).
   Aligned<float> sx16, xsum16;
   Aligned<int32_t> kf16;
 
@@ -29,7 +30,8 @@ struct ActRows {
   //   scale, the smallest that holds the block (f = ceil(8 * block amax / amax)): blocks well under the
   //   super-block's largest keep most of q8_0's resolution, and the kernels still sum the super-block in
   //   integers (f times the block's products). Codes x * (1 / (D * f / 8)).
-  void quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K);
+  //   by_group: also sx16, xsum16 and kf16 (for the AMX kernel; left empty otherwise).
+  void quantize(const float* x, int64_t M, int64_t K_, bool q8_0, bool q8_K, bool by_group);
   Acts at(int64_t m) const {
     auto row = [](const auto& v, int64_t off) { return v.empty() ? nullptr : v.data() + off; };
     Acts a{row(xq, m * K), row(sx, m * nb), row(xsum, m * nb), row(isum, m * nb),

@@ -291,6 +291,9 @@ struct Job : Tiles {
   std::vector<float> padded;
 };
 
+// Whether a call of M rows takes AMX's int8 tiles (for its first M / 16 * 16 rows).
+bool uses_amx(int64_t M) { return options.vnni && options.amx && M >= options.amx_min_rows; }
+
 // Tiles [t0, t1) of one job against its M activation rows. Up to MR_VNNI (AVX2: MR) rows, the tiles go
 // through one kernel call; with more, each tile meets every row chunk while it sits in L1/L2 (a GGUF tile on
 // the VNNI path, from unpack_min_rows rows: its codes assembled once, into a per-thread buffer).
@@ -300,7 +303,7 @@ void run_tiles(const Tiles& j, int64_t M, int64_t t0, int64_t t1) {
   const bool bypass = vnni && M >= options.bypass_min_rows && !j.scratch;  // whole 64-byte lines per store
   const bool once = vnni && is_gguf_format(j.fmt) && M >= options.unpack_min_rows;
   // AMX tiles take the first M16 rows, the VNNI kernels the rest
-  const bool amx = vnni && options.amx && M >= options.amx_min_rows;
+  const bool amx = uses_amx(M);
   const int64_t M16 = amx ? M / AMX_ROWS * AMX_ROWS : 0;
   // tiles [t, t + count) against rows [m0, M); unpacked: tile t's codes from gguf_unpack_tile (count 1)
   auto run = [&](int64_t t, int64_t count, const uint8_t* unpacked, int64_t m0) {
@@ -538,7 +541,7 @@ void set_jobs(Job* jobs, const Weights& w, const float* x, int64_t M, const torc
   }
   bool q8_0 = false, q8_K = false;
   for (int i = 0; i < w.n; ++i) (is_k_quant(w.r[i].fmt) ? q8_K : q8_0) = true;
-  j0.rows.quantize(x, M, K, q8_0, q8_K);
+  j0.rows.quantize(x, M, K, q8_0, q8_K, uses_amx(M));
   int64_t row = 0;
   for (int i = 0; i < w.n; ++i) {
     Job& j = jobs[i];
@@ -645,7 +648,7 @@ torch::Tensor q8_0_values(torch::Tensor x) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "q8_0_values: K must be a multiple of 32");
   ActRows a;
-  a.quantize(x.data_ptr<float>(), M, K, true, false);
+  a.quantize(x.data_ptr<float>(), M, K, true, false, false);
   auto out = torch::empty_like(x);
   float* o = out.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
