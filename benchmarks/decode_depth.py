@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -39,27 +40,29 @@ def pools(layers: int, keys: int, kv_heads: int, head_dim: int, huge: bool) -> l
     return out
 
 
-def step_s(ext, layer_pools, q, out, slots, mask, rows, tiles: bool, steps: int) -> float:
-    none = torch.empty(0)
-    scale = q.shape[-1] ** -0.5
+def median_s(f, n: int) -> float:
+    """The median time of n calls of f, in seconds."""
     times = []
-    for _ in range(steps):
+    for _ in range(n):
         t = time.perf_counter()
-        for k, v in layer_pools:
-            ext.decode_attention(q, k, v, none, none, rows, slots, mask, scale, out, tiles)
+        f()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[n // 2]
 
 
-def read_s(layer_pools, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        for k, v in layer_pools:
-            k.sum()
-            v.sum()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+def attend_all(ext, layer_pools, q, out, slots, mask, rows, tiles: bool) -> None:
+    """One decode step's attention: each layer's pool in turn."""
+    from sudu.layers.attention import NO_SCALES
+
+    for k, v in layer_pools:
+        ext.decode_attention(q, k, v, NO_SCALES, NO_SCALES, rows, slots, mask, q.shape[-1] ** -0.5, out, tiles)
+
+
+def read_all(layer_pools) -> None:
+    """A plain read of the same bytes (the bandwidth reference)."""
+    for k, v in layer_pools:
+        k.sum()
+        v.sum()
 
 
 def main() -> None:
@@ -96,8 +99,8 @@ def main() -> None:
         best: dict[str, tuple[float, float]] = {}
         for _ in range(args.rounds):
             for kind in kinds:
-                a = step_s(ext, held[kind], q, out, slots, mask, rows, tiles, args.steps)
-                r = read_s(held[kind], args.steps)
+                a = median_s(partial(attend_all, ext, held[kind], q, out, slots, mask, rows, tiles), args.steps)
+                r = median_s(partial(read_all, held[kind]), args.steps)
                 prev = best.get(kind, (a, r))
                 best[kind] = (min(a, prev[0]), min(r, prev[1]))
         mb = args.layers * 2 * L * args.kv_heads * args.head_dim * 2 / 1e6
