@@ -138,12 +138,17 @@ struct Buffers {
   Aligned<uint16_t> qa, p;  // [Rp, D] queries, [Rp, KB] weights (bfloat16)
   Aligned<float> s, o, m, l;  // [Rp, KB] scores, [Rp, D] accumulators, per-row max, [Rp, 16] sums
   Aligned<uint32_t> kb, vb;   // a block's keys [D / 32][KB / 16][16][16], values [KB / 32][D / 16][16][16]
+  Aligned<uint16_t> ka;       // narrow calls: a block's keys as rows [KB][D] (bfloat16)
+  Aligned<uint32_t> qb, st;   // narrow calls: the queries as B operands [D / 32][16][16], scores [KB][16]
   void size(int64_t Rp, int64_t D) {
     if (static_cast<int64_t>(qa.size()) < Rp * D || static_cast<int64_t>(kb.size()) != D * KB / 2) {
       qa.resize(std::max<int64_t>(qa.size(), Rp * D));
       o.resize(qa.size());
       kb.resize(D * KB / 2);
       vb.resize(D * KB / 2);
+      ka.resize(D * KB);
+      qb.resize(D * 8);
+      st.resize(KB * 16);
     }
     if (static_cast<int64_t>(p.size()) < Rp * KB) {
       p.resize(Rp * KB);
@@ -155,23 +160,27 @@ struct Buffers {
 };
 thread_local Buffers scratch;
 
-// Channels [32 c, 32 c + 32) of block key jj's row in pool (kv.kc or kv.vc) as bfloat16 if jj is in [a, b),
-// else zeros.
-template <Pool P>
-SUDU_AMXBF16 inline __m512i pool_row(const void* pool, const Keys& kv, int64_t j0, int64_t a, int64_t b, int64_t jj,
-                                     int64_t c) {
-  return jj >= a && jj < b ? bf16x32<P>(pool, (kv.slots[j0 + jj] * kv.Hkv + kv.g) * kv.D + c * 32)
-                           : _mm512_setzero_si512();
+// The pool offsets (in elements) of the rows of key indices j0 + [a, b), kv head kv.g, into off[a, b).
+SUDU_AMXBF16 inline void row_offsets(const Keys& kv, int64_t j0, int64_t a, int64_t b, int64_t* off) {
+  for (int64_t jj = a; jj < b; ++jj) off[jj] = (kv.slots[j0 + jj] * kv.Hkv + kv.g) * kv.D;
 }
 
-// The block's keys [a, b) (offsets from key index j0) as B operands, zeros for the other keys of their 16-key
-// column tiles.
+// Channels [32 c, 32 c + 32) of block key jj's row in pool (kv.kc or kv.vc) as bfloat16 if jj is in [a, b),
+// else zeros (off: row_offsets).
 template <Pool P>
-SUDU_AMXBF16 void gather_keys(const Keys& kv, int64_t j0, int64_t a, int64_t b, uint32_t* kb) {
+SUDU_AMXBF16 inline __m512i pool_row(const void* pool, const int64_t* off, int64_t a, int64_t b, int64_t jj,
+                                     int64_t c) {
+  return jj >= a && jj < b ? bf16x32<P>(pool, off[jj] + c * 32) : _mm512_setzero_si512();
+}
+
+// The block's keys [a, b) (off: row_offsets) as B operands, zeros for the other keys of their 16-key column
+// tiles.
+template <Pool P>
+SUDU_AMXBF16 void gather_keys(const Keys& kv, const int64_t* off, int64_t a, int64_t b, uint32_t* kb) {
   for (int64_t ct = a / 16; ct * 16 < b; ++ct)
     for (int64_t c = 0; c < kv.D / 32; ++c) {
       __m512i r[16];
-      for (int64_t n = 0; n < 16; ++n) r[n] = pool_row<P>(kv.kc, kv, j0, a, b, ct * 16 + n, c);
+      for (int64_t n = 0; n < 16; ++n) r[n] = pool_row<P>(kv.kc, off, a, b, ct * 16 + n, c);
       transpose16(r);
       uint32_t* dst = kb + (c * (KB / 16) + ct) * 256;
       for (int n = 0; n < 16; ++n) _mm512_storeu_si512(dst + n * 16, r[n]);
@@ -183,13 +192,13 @@ SUDU_AMXBF16 void gather_keys(const Keys& kv, int64_t j0, int64_t a, int64_t b, 
 // 8q + r and tile 2c + 1 channels 8q + 4 + r (q, r = 0..3) at column 4q + r; the accumulators keep that
 // order and attend puts the channels back in place at the end (unpermute).
 template <Pool P>
-SUDU_AMXBF16 void gather_values(const Keys& kv, int64_t j0, int64_t a, int64_t b, uint32_t* vb) {
+SUDU_AMXBF16 void gather_values(const Keys& kv, const int64_t* off, int64_t a, int64_t b, uint32_t* vb) {
   const int64_t D = kv.D, cts = D / 16;
   for (int64_t h = a / 32; h * 32 < b; ++h)
     for (int64_t pr = 0; pr < 16; ++pr) {
       const int64_t jj = h * 32 + 2 * pr;
       for (int64_t c = 0; c < D / 32; ++c) {
-        const __m512i x0 = pool_row<P>(kv.vc, kv, j0, a, b, jj, c), x1 = pool_row<P>(kv.vc, kv, j0, a, b, jj + 1, c);
+        const __m512i x0 = pool_row<P>(kv.vc, off, a, b, jj, c), x1 = pool_row<P>(kv.vc, off, a, b, jj + 1, c);
         uint32_t* dst = vb + (h * cts + 2 * c) * 256 + pr * 16;
         _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(x0, x1));
         _mm512_storeu_si512(dst + 256, _mm512_unpackhi_epi16(x0, x1));
@@ -247,6 +256,59 @@ SUDU_AMXBF16 void score_tiles(const uint16_t* qa, int64_t D, const uint32_t* kb,
   if (t0 <= 1 && 1 < t1) _tile_stored(1, s + 16, KB * 4);
   if (t0 <= 2 && 2 < t1) _tile_stored(2, s + 32, KB * 4);
   if (t0 <= 3 && 3 < t1) _tile_stored(3, s + 48, KB * 4);
+}
+
+// Narrow calls (one tile of query rows: decodes, verifications) take the keys as the A operand instead, rows
+// straight from the pool converted to bfloat16 with no transposition, and the queries as B: TDPBF16PS gives
+// the same score bits with its operands swapped (each product is q'[d] k'[d] either way, summed in the same
+// order; docs/cpu_speed.md "Decode at depth on AMX"), and the 16 x 16 score tiles are transposed back per
+// block, where the wide path transposes each block's keys per 32 channels.
+
+// The 16 query rows' bfloat16 channels (qa, rows of D) as B operands, per 32-channel chunk c: row p, lane n =
+// query n's channels 32 c + 2p, 2p + 1 (a 16 x 16 dword transposition per chunk).
+SUDU_AMXBF16 void query_operands(const uint16_t* qa, int64_t D, uint32_t* qb) {
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512i r[16];
+    for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(qa + n * D + 32 * c);
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(qb + (c * 16 + p) * 16, r[p]);
+  }
+}
+
+// The block's keys [a, b) (off: row_offsets) as bfloat16 rows of D into ka, zeros for the other keys of their
+// 16-key tiles.
+template <Pool P>
+SUDU_AMXBF16 void key_rows(const Keys& kv, const int64_t* off, int64_t a, int64_t b, uint16_t* ka) {
+  const int64_t D = kv.D;
+  for (int64_t jj = a / 16 * 16; jj < (b + 15) / 16 * 16; ++jj)
+    for (int64_t c = 0; c < D / 32; ++c) _mm512_storeu_si512(ka + jj * D + 32 * c, pool_row<P>(kv.kc, off, a, b, jj, c));
+}
+
+// Scores of the (at most 16) query rows for the block's 16-key tiles [t0, t1) into s (rows of KB): per key tile,
+// C (keys x queries) = the chunks' products in channel order, stored, transposed, rows [0, R) kept.
+SUDU_AMXBF16 void narrow_scores(const uint16_t* ka, const uint32_t* qb, int64_t D, int64_t t0, int64_t t1, int64_t R,
+                                uint32_t* st, float* s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(6, qb + c * 256, 64);
+    if (t0 <= 0 && 0 < t1) { _tile_loadd(4, ka + 32 * c, D * 2); _tile_dpbf16ps(0, 4, 6); }
+    if (t0 <= 1 && 1 < t1) { _tile_loadd(5, ka + 16 * D + 32 * c, D * 2); _tile_dpbf16ps(1, 5, 6); }
+    if (t0 <= 2 && 2 < t1) { _tile_loadd(4, ka + 32 * D + 32 * c, D * 2); _tile_dpbf16ps(2, 4, 6); }
+    if (t0 <= 3 && 3 < t1) { _tile_loadd(5, ka + 48 * D + 32 * c, D * 2); _tile_dpbf16ps(3, 5, 6); }
+  }
+  if (t0 <= 0 && 0 < t1) _tile_stored(0, st, 64);
+  if (t0 <= 1 && 1 < t1) _tile_stored(1, st + 256, 64);
+  if (t0 <= 2 && 2 < t1) _tile_stored(2, st + 512, 64);
+  if (t0 <= 3 && 3 < t1) _tile_stored(3, st + 768, 64);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512i r[16];
+    for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(st + t * 256 + n * 16);
+    transpose16(r);
+    for (int64_t q = 0; q < R; ++q) _mm512_storeu_si512(s + q * KB + t * 16, r[q]);
+  }
 }
 
 // o (16 rows of D) += p (16 rows of KB weights) . values, over the 32-key halves [h0, h1), for the column
@@ -333,15 +395,24 @@ SUDU_AMXBF16 void attend(const Keys& kv, const Rows& rw, float scale, const floa
   std::fill(o, o + Rp * D, 0.f);
   std::fill_n(w.m.begin(), R, NEG_INF);
   std::fill_n(w.l.begin(), R * 16, 0.f);
+  const bool narrow = Rp == 16;
+  if (narrow) query_operands(qa, D, w.qb.data());
+  int64_t off[KB];
   _tile_loadconfig(&tile_config);
   for (int64_t j0 = jhi > 0 ? jlo - jlo % KB : 0; j0 < jhi; j0 += KB) {
     // the block's keys that some row sees, [a, b) as offsets in the block
     const int64_t a = std::max(jlo, j0) - j0, b = std::min(jhi, j0 + KB) - j0;
     prefetch_keys<P>(kv, std::min(jhi, j0 + KB), std::min(jhi, j0 + 2 * KB));
-    gather_keys<P>(kv, j0, a, b, w.kb.data());
-    gather_values<P>(kv, j0, a, b, w.vb.data());
+    row_offsets(kv, j0, a, b, off);
+    if (narrow) {
+      key_rows<P>(kv, off, a, b, w.ka.data());
+      narrow_scores(w.ka.data(), w.qb.data(), D, a / 16, (b + 15) / 16, R, w.st.data(), w.s.data());
+    } else {
+      gather_keys<P>(kv, off, a, b, w.kb.data());
+    }
+    gather_values<P>(kv, off, a, b, w.vb.data());
     for (int64_t r0 = 0; r0 < Rp; r0 += 16) {  // row tile by row tile: scores, softmax, values
-      score_tiles(qa + r0 * D, D, w.kb.data(), a / 16, (b + 15) / 16, w.s.data() + r0 * KB);
+      if (!narrow) score_tiles(qa + r0 * D, D, w.kb.data(), a / 16, (b + 15) / 16, w.s.data() + r0 * KB);
       for (int64_t r = r0; r < std::min(R, r0 + 16); ++r)
         row_weights(w.s.data() + r * KB, std::max(rw.lo[r], j0) - j0, std::min(rw.hi[r], j0 + KB) - j0,
                     w.m[r], w.l.data() + r * 16, pw + r * KB, o + r * D, D);
