@@ -5,11 +5,12 @@ attention costs when its keys and values come from memory, not from cache.
 at 24k keys to stay in the last-level cache. Here each of the model's layers has its own pool (the default
 model's shapes: 2 kv heads of 64, float16, 14 query heads), filled with random keys in a fresh engine's
 order (consecutive slots), and one step runs `decode_attention` layer after layer, so every step reads all the
-pools from memory. Pools in 4 KiB pages (layers/kv_cache.py zeroed_pool, as the engine allocates them) and in
-2 MiB transparent huge pages (host/huge_pages.py, where the OS offers them) alternate in one process, next to
-a plain read of the same bytes (torch's sum over each pool, the bandwidth reference).
+pools from memory. Pools in 4 KiB pages (layers/kv_cache.py kv_pool, as the engine allocates them: each kv
+head's rows together) and in 2 MiB transparent huge pages (host/huge_pages.py, where the OS offers them), and
+with --slot-major also with a slot's heads together, alternate in one process, next to a plain read of the
+same bytes (torch's sum over each pool, the bandwidth reference).
 
-    flock /tmp/sudu-bench.lock python -m benchmarks.decode_depth [--depths 8192,24576,32768] [--rounds 3]
+    flock /tmp/sudu-bench.lock python -m benchmarks.decode_depth [--depths 8192,24576,32768] [--rounds 3] [--slot-major]
 """
 from __future__ import annotations
 
@@ -20,20 +21,25 @@ from functools import partial
 import torch
 
 
-def pools(layers: int, keys: int, kv_heads: int, head_dim: int, huge: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def pools(layers: int, keys: int, kv_heads: int, head_dim: int, huge: bool,
+          heads_apart: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's K and V pools [keys, kv_heads, head_dim], float16: each head's rows together (the engine's
+    CPU layout, layers/kv_cache.py kv_pool) or slot-major (heads_apart False: a slot's heads together)."""
     from sudu.host.huge_pages import huge_page_buffer, huge_page_size
-    from sudu.layers.kv_cache import zeroed_pool
+    from sudu.layers.kv_cache import kv_pool, zeroed_pool
 
     out = []
     shape = (keys, kv_heads, head_dim)
+    stored = (kv_heads, keys, head_dim) if heads_apart else shape
     nbytes = keys * kv_heads * head_dim * 2
     for _ in range(layers):
         kv = []
         for scale in (2.0, 1.0):
             if huge:
-                t = huge_page_buffer(nbytes, huge_page_size()).view(torch.float16).view(shape)
+                t = huge_page_buffer(nbytes, huge_page_size()).view(torch.float16).view(stored)
+                t = t.permute(1, 0, 2) if heads_apart else t
             else:
-                t = zeroed_pool(shape, torch.float16)
+                t = kv_pool(*shape, torch.float16) if heads_apart else zeroed_pool(shape, torch.float16)
             t.copy_((torch.randn(shape) * scale).half())
             kv.append(t)
         out.append((kv[0], kv[1]))
@@ -74,6 +80,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=9, help="steps per round (median)")
+    ap.add_argument("--slot-major", action="store_true",
+                    help="also pools with a slot's heads together (the layout before kv_pool kept each head's rows "
+                         "together)")
     args = ap.parse_args()
     from sudu import kernels
     from sudu.host.huge_pages import huge_page_size
@@ -83,6 +92,7 @@ def main() -> None:
         raise SystemExit("decode_depth: the native kernels did not load")
     tiles = bool(ext.bf16_tiles_granted())
     kinds = ["4k"] + (["huge"] if huge_page_size() else [])
+    kinds += [f"{kind}, slot-major" for kind in kinds] if args.slot_major else []
     print(f"decode attention over {args.layers} pools ({args.kv_heads} kv heads x {args.head_dim}, float16), "
           f"{args.heads} query heads, {torch.get_num_threads()} threads, "
           f"{'bfloat16 tiles' if tiles else 'float32'} arithmetic; median of {args.steps} steps, best of "
@@ -95,7 +105,8 @@ def main() -> None:
         slots = torch.arange(L)[None]
         mask = torch.ones(1, 1, L, dtype=torch.bool)
         rows = torch.zeros(1, 1, dtype=torch.long)
-        held = {kind: pools(args.layers, L, args.kv_heads, args.head_dim, kind == "huge") for kind in kinds}
+        held = {kind: pools(args.layers, L, args.kv_heads, args.head_dim, kind.startswith("huge"),
+                            "slot-major" not in kind) for kind in kinds}
         best: dict[str, tuple[float, float]] = {}
         for _ in range(args.rounds):
             for kind in kinds:

@@ -445,3 +445,28 @@ def test_a_conversation_continues_from_disk_after_a_restart(tiny_model_dirs, tmp
     assert timing["disk_load_s"] > 0
     hits = re.search(r'^sudu:prefix_cache_tier_hits_total\{tier="disk"\} (\S+)$', metrics, re.M)
     assert float(hits.group(1)) == timing["cached_tokens_disk"]
+
+
+def test_block_payload_is_slot_major_whatever_the_pool_layout():
+    """The CPU pools keep each kv head's rows together (layers/kv_cache.py kv_pool); a block's payload is its
+    values slot by slot as a slot-major pool holds them, so disk entries do not depend on the layout, and a
+    payload scattered into another block reads back the same."""
+    from sudu.cache.block_io import KVBlockIO
+    from sudu.layers.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(5)
+    bs, blocks, heads, dim = 4, 6, 3, 8
+    caches = [KVCache(bs * blocks, heads, dim, torch.float16) for _ in range(2)]
+    assert caches[0].k.stride() == (dim, bs * blocks * dim, 1)  # heads apart, as the kernels read it
+    for c in caches:
+        c.k.copy_(torch.randn(c.k.shape, generator=g).half())
+        c.v.copy_(torch.randn(c.v.shape, generator=g).half())
+    io = KVBlockIO(caches, set(), bs)
+    payload = io.gather([4, 1], [])
+    for row, b in enumerate((4, 1)):
+        want = torch.cat([t[bs * b:bs * (b + 1)].contiguous().view(-1).view(torch.uint8)
+                          for c in caches for t in (c.k, c.v)])
+        assert torch.equal(payload[row], want)
+    io.scatter(payload[0].numpy().tobytes(), 2, None)
+    for t in (t for c in caches for t in (c.k, c.v)):
+        assert torch.equal(t[2 * bs:3 * bs], t[4 * bs:5 * bs])

@@ -127,6 +127,10 @@ def test_attention_row_is_the_same_in_every_kernel_and_chunking(kind, window, ri
     assert torch.equal(batched, whole[[149, 3, 70, 64, 63, 0]])
     verify = attend([(60, 65), (140, 145), (2, 7)])  # 5 rows each: the decode kernel's multi-row path
     assert torch.equal(verify, whole[list(range(60, 65)) + list(range(140, 145)) + list(range(2, 7))])
+    # the CPU pools keep each kv head's rows together (kv_pool); slot-major copies of them compute the same
+    assert cache.k.stride(1) == 256 * dim
+    cache.k, cache.v = cache.k.contiguous(), cache.v.contiguous()
+    assert torch.equal(attend([(0, n)]), whole) and torch.equal(verify, attend([(60, 65), (140, 145), (2, 7)]))
 
 
 MATRIX = [(arch, "int8") for arch in ARCHS] + [("qwen2", "int4"), ("gemma3", "int4"), ("qwen2moe", "int4"),

@@ -15,12 +15,19 @@ class KVBlockIO:
     def __init__(self, kv_caches: list, sliding_layers: set[int], block_size: int):
         self.sliding_layers = sliding_layers  # layers whose pool is the sliding pool (empty: one pool)
         self.block_size = block_size
-        # per layer: a [num_blocks, block bytes] byte view of K and of V (pools are contiguous [slots, H, D])
+        # per layer: K and V as [num_blocks, block_size, H, D] views of the pools (whatever their layout: the
+        # CPU keeps each head's rows together, layers/kv_cache.py kv_pool); a block's payload is its values in
+        # that order, slot by slot, so the bytes on disk do not depend on the pool's layout
         self.views = [(self._blocks(c.k), self._blocks(c.v)) for c in kv_caches]
-        self.nbytes = sum(k.shape[1] + v.shape[1] for k, v in self.views)  # K and V may differ in width (MLA)
+        self.widths = [(self._width(k), self._width(v)) for k, v in self.views]
+        self.nbytes = sum(wk + wv for wk, wv in self.widths)  # K and V may differ in width (MLA)
 
     def _blocks(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool.view(pool.shape[0] // self.block_size, -1).view(torch.uint8)
+        return pool.unflatten(0, (pool.shape[0] // self.block_size, self.block_size))
+
+    @staticmethod
+    def _width(blocks: torch.Tensor) -> int:
+        return blocks[0].numel() * blocks.element_size()
 
     def gather(self, global_ids: list[int], sliding_ids: list[int]) -> torch.Tensor:
         """[n, nbytes] host bytes of n blocks (sliding_ids[i]: block i's id in the sliding pool; ignored
@@ -31,9 +38,10 @@ class KVBlockIO:
         col = 0
         for layer, (k, v) in enumerate(self.views):
             idx = ids[layer in self.sliding_layers].to(k.device)
-            for pool in (k, v):
-                out[:, col:col + pool.shape[1]] = pool.index_select(0, idx).cpu()
-                col += pool.shape[1]
+            for pool, width in zip((k, v), self.widths[layer]):
+                values = pool.index_select(0, idx).reshape(n, width // pool.element_size())
+                out[:, col:col + width] = values.view(torch.uint8).cpu()
+                col += width
         return out
 
     def scatter(self, payload, global_id: int | None, sliding_id: int | None) -> None:
@@ -45,7 +53,7 @@ class KVBlockIO:
         col = 0
         for layer, (k, v) in enumerate(self.views):
             block = sliding_id if layer in self.sliding_layers else global_id
-            for pool in (k, v):
+            for pool, width in zip((k, v), self.widths[layer]):
                 if block is not None:
-                    pool[block].copy_(src[col:col + pool.shape[1]])
-                col += pool.shape[1]
+                    pool[block].copy_(src[col:col + width].view(pool.dtype).view(pool.shape[1:]))
+                col += width

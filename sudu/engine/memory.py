@@ -4,10 +4,9 @@ written, layers/kv_cache.py zeroed_pool) and the process's resident set. Logged 
 and exported on /metrics (sudu:memory_*)."""
 from __future__ import annotations
 
-import torch
-
 from sudu.host.huge_pages import huge_page_bytes
 from sudu.host.memory import resident_bytes, rss_bytes, storage_bytes, weight_bytes
+from sudu.layers.kv_cache import pool_bytes
 
 
 def kv_pool_tensors(kv_caches: list) -> list:
@@ -20,7 +19,7 @@ def prefault_kv(engine) -> None:
     page = 4096
     for pool in kv_pool_tensors(engine.runner.kv_caches):
         if pool.device.type == "cpu" and pool.numel():
-            pool.view(-1).view(torch.uint8)[::page].zero_()
+            pool_bytes(pool)[::page].zero_()
 
 
 def kv_resident_bytes(engine) -> int:

@@ -5,7 +5,8 @@
 // the call, not on which of the two entry points takes it, not on how the prompt was chunked or which part
 // of it came from a cache (docs/exactness.md).
 //
-// Pool (both): kc, vc [S, Hkv, D] float32, float16, bfloat16, or int8 with float32 per-channel scales ks, vs
+// Pool (both): kc, vc [S, Hkv, D] (any slot and head strides, unit stride within a head: layers/kv_cache.py
+// keeps each head's rows together) float32, float16, bfloat16, or int8 with float32 per-channel scales ks, vs
 // [Hkv, D] (value = int8 * scale; layers/kv_cache.py). A sequence's keys are a list of slots in position
 // order; key index j of the list sits at absolute position base + j with base a multiple of KB
 // (layers/attention.py build_view pads a list whose first kept position is not), so the key blocks below
@@ -88,14 +89,15 @@ inline void transpose8(__m256* r) {
   r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// One sequence's keys and values in the pool, for kv head g.
+// One sequence's keys and values in the pool, for kv head g: a key's row at slot * ss + g * hs (the pool's
+// strides: layers/kv_cache.py keeps each head's rows together on the CPU).
 template <typename KV>
 struct SeqKV {
   const KV *kc, *vc;
   const int64_t* slots;  // key index -> slot
-  int64_t Hkv, D, g;
-  const KV* k(int64_t j) const { return kc + (slots[j] * Hkv + g) * D; }
-  const KV* v(int64_t j) const { return vc + (slots[j] * Hkv + g) * D; }
+  int64_t ss, hs, D, g;
+  const KV* k(int64_t j) const { return kc + slots[j] * ss + g * hs; }
+  const KV* v(int64_t j) const { return vc + slots[j] * ss + g * hs; }
 };
 
 template <typename KV>
@@ -255,7 +257,7 @@ void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, c
                  bool tiles) {
   const int64_t D = kv.D;
   if (tiles) {
-    const atiles::Keys keys{kv.kc, kv.vc, pool_of<KV>(), kv.slots, kv.Hkv, D, kv.g};
+    const atiles::Keys keys{kv.kc, kv.vc, pool_of<KV>(), kv.slots, kv.ss, kv.hs, D, kv.g};
     atiles::attend_rows(keys, atiles::Rows{R, w.q.data(), w.out.data(), w.lo.data(), w.hi.data()}, scale, ks, vs);
     return;
   }
@@ -363,7 +365,7 @@ void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, c
 
 template <typename KV>
 void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, const KV* vc, const float* ks,
-                 const float* vs, int64_t Hkv, int64_t D, const int64_t* rows, int64_t B, int64_t Q,
+                 const float* vs, int64_t Hkv, int64_t ss, int64_t hs, int64_t D, const int64_t* rows, int64_t B, int64_t Q,
                  const int64_t* slots, int64_t L, const bool* mask, int64_t H, float scale, float* out, bool tiles) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
@@ -388,7 +390,7 @@ void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, co
           w.out[R] = out + (row * H + g * G + hh) * D;
         }
       }
-      const SeqKV<KV> kv{kc, vc, slots + b * L, Hkv, D, g};
+      const SeqKV<KV> kv{kc, vc, slots + b * L, ss, hs, D, g};
       attend_rows(kv, R, scale, ks ? ks + g * D : nullptr, vs ? vs + g * D : nullptr, w, tiles);
     }
   });
@@ -396,8 +398,8 @@ void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, co
 
 template <typename KV>
 void prompt_impl(const float* q, int64_t q_row, int64_t q_head, float* out, int64_t o_row, int64_t o_head,
-                 const KV* kc, const KV* vc, const float* ks, const float* vs, int64_t Hkv, int64_t D,
-                 const int64_t* slots, int64_t T, int64_t L, int64_t H, int64_t first, int64_t window, float scale,
+                 const KV* kc, const KV* vc, const float* ks, const float* vs, int64_t Hkv, int64_t ss,
+                 int64_t hs, int64_t D, const int64_t* slots, int64_t T, int64_t L, int64_t H, int64_t first, int64_t window, float scale,
                  bool tiles) {
   // the tiles take more positions per item (each item converts its keys and values once for all its rows),
   // down to BQ while that leaves fewer than 4 items per thread. Only the speed depends on it: rows are
@@ -422,7 +424,7 @@ void prompt_impl(const float* q, int64_t q_row, int64_t q_head, float* out, int6
           w.q[R] = q + i * q_row + (g * G + hh) * q_head;
           w.out[R] = out + i * o_row + (g * G + hh) * o_head;
         }
-      const SeqKV<KV> kv{kc, vc, slots, Hkv, D, g};
+      const SeqKV<KV> kv{kc, vc, slots, ss, hs, D, g};
       attend_rows(kv, R, scale, ks ? ks + g * D : nullptr, vs ? vs + g * D : nullptr, w, tiles);
     }
   };
@@ -449,7 +451,8 @@ void check_tiles(bool tiles, int64_t D) {
 
 template <typename F>
 void with_pool(const torch::Tensor& kc, const torch::Tensor& vc, F&& f) {
-  TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "bad pool");
+  TORCH_CHECK(kc.dim() == 3 && kc.stride(2) == 1 && kc.sizes() == vc.sizes() && kc.strides() == vc.strides(),
+              "bad pool: K and V [S, Hkv, D] alike, unit stride within a head");
   TORCH_CHECK(vc.scalar_type() == kc.scalar_type(), "K and V pools differ in dtype");
   switch (kc.scalar_type()) {
     case torch::kFloat: f(kc.data_ptr<float>(), vc.data_ptr<float>()); break;
@@ -478,7 +481,8 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
   check_tiles(tiles, D);
   const auto [ksp, vsp] = pool_scales(kc, ks, vs, Hkv, D);
   with_pool(kc, vc, [&](auto* k, auto* v) {
-    decode_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), k, v, ksp, vsp, Hkv, D, rows.data_ptr<int64_t>(), B, Q,
+    decode_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), k, v, ksp, vsp, Hkv, kc.stride(0), kc.stride(1), D,
+                rows.data_ptr<int64_t>(), B, Q,
                 slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale), out.data_ptr<float>(), tiles);
   });
 }
@@ -505,7 +509,8 @@ void prompt_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
   const auto [ksp, vsp] = pool_scales(kc, ks, vs, Hkv, D);
   with_pool(kc, vc, [&](auto* k, auto* v) {
     prompt_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), out.data_ptr<float>(), out.stride(0), out.stride(1), k,
-                v, ksp, vsp, Hkv, D, slots.data_ptr<int64_t>(), T, L, H, first, window, float(scale), tiles);
+                v, ksp, vsp, Hkv, kc.stride(0), kc.stride(1), D, slots.data_ptr<int64_t>(), T, L, H, first, window,
+                float(scale), tiles);
   });
 }
 

@@ -162,7 +162,7 @@ thread_local Buffers scratch;
 
 // The pool offsets (in elements) of the rows of key indices j0 + [a, b), kv head kv.g, into off[a, b).
 SUDU_AMXBF16 inline void row_offsets(const Keys& kv, int64_t j0, int64_t a, int64_t b, int64_t* off) {
-  for (int64_t jj = a; jj < b; ++jj) off[jj] = (kv.slots[j0 + jj] * kv.Hkv + kv.g) * kv.D;
+  for (int64_t jj = a; jj < b; ++jj) off[jj] = kv.slots[j0 + jj] * kv.ss + kv.g * kv.hs;
 }
 
 // Channels [32 c, 32 c + 32) of block key jj's row in pool (kv.kc or kv.vc) as bfloat16 if jj is in [a, b),
@@ -225,7 +225,7 @@ SUDU_AMXBF16 inline void prefetch_keys(const Keys& kv, int64_t j0, int64_t j1) {
   const char* kc = static_cast<const char*>(kv.kc);
   const char* vc = static_cast<const char*>(kv.vc);
   for (int64_t j = j0; j < j1; ++j) {
-    const int64_t at = (kv.slots[j] * kv.Hkv + kv.g) * row;
+    const int64_t at = (kv.slots[j] * kv.ss + kv.g * kv.hs) * bytes;
     for (int64_t c = 0; c < row; c += 64) {
       prefetch_line(kc + at + c);
       prefetch_line(vc + at + c);

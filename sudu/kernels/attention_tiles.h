@@ -14,12 +14,13 @@ enum class Pool { F32, F16, BF16, I8 };
 // (asked once, as for the int8 tiles).
 bool granted();
 
-// One sequence's keys and values in the pool [S, Hkv, D], for kv head g: key index j at slot slots[j].
+// One sequence's keys and values in the pool [S, Hkv, D] (strides ss, hs, 1), for kv head g: key index j's
+// row at slots[j] * ss + g * hs.
 struct Keys {
   const void *kc, *vc;
   Pool type;
   const int64_t* slots;
-  int64_t Hkv, D, g;
+  int64_t ss, hs, D, g;
 };
 
 // R query rows (one query head each, D floats), row r over the keys [lo[r], hi[r]) of the list, into out[r].

@@ -24,16 +24,18 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w
   return qlinear(x, w[at], bias_of(w[at + 1]));
 }
 
-// Copies x's rows into a float pool's slots: float32 as they are, float16 and bfloat16 rounded to nearest
-// even, as Tensor.to() rounds.
+// Copies x's rows (heads of D floats, strides xs, xh) into a float pool's slots (strides ss, hs): float32 as
+// they are, float16 and bfloat16 rounded to nearest even, as Tensor.to() rounds.
 template <typename T>
-void write_rows(T* dst, const int64_t* slots, const float* src, int64_t rows, int64_t row_stride, int64_t width,
-                int64_t num_slots) {
+void write_rows(T* dst, const int64_t* slots, const float* src, int64_t rows, int64_t xs, int64_t xh, int64_t Hkv,
+                int64_t D, int64_t ss, int64_t hs, int64_t num_slots) {
   for (int64_t t = 0; t < rows; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
-    const float* s = src + t * row_stride;
-    T* d = dst + slots[t] * width;
-    for (int64_t i = 0; i < width; ++i) d[i] = T(s[i]);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* s = src + t * xs + h * xh;
+      T* d = dst + slots[t] * ss + h * hs;
+      for (int64_t i = 0; i < D; ++i) d[i] = T(s[i]);
+    }
   }
 }
 
@@ -44,15 +46,16 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
               const torch::Tensor& scale, const torch::Tensor& centre) {
   const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
   if (pool.scalar_type() != torch::kChar) {
-    // a token's heads are one contiguous run in both (a slice of the fused qkv row; a pool slot)
-    if (x.scalar_type() != torch::kFloat || x.stride(2) != 1 || x.stride(1) != D || !pool.is_contiguous() ||
-        pool.size(1) != Hkv || pool.size(2) != D) {
+    if (x.scalar_type() != torch::kFloat || x.stride(2) != 1 || pool.stride(2) != 1 || pool.size(1) != Hkv ||
+        pool.size(2) != D) {
       pool.index_copy_(0, slot_mapping, x.to(pool.scalar_type()));
       return;
     }
     const float* src = x.data_ptr<float>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    auto write = [&](auto* dst) { write_rows(dst, slots, src, T, x.stride(0), Hkv * D, pool.size(0)); };
+    auto write = [&](auto* dst) {
+      write_rows(dst, slots, src, T, x.stride(0), x.stride(1), Hkv, D, pool.stride(0), pool.stride(1), pool.size(0));
+    };
     switch (pool.scalar_type()) {
       case torch::kFloat: write(pool.data_ptr<float>()); return;
       case torch::kHalf: write(pool.data_ptr<at::Half>()); return;
@@ -61,7 +64,7 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
     }
   }
   TORCH_CHECK(x.stride(2) == 1 && scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
-              scale.numel() == Hkv * D && pool.is_contiguous() && pool.size(1) == Hkv && pool.size(2) == D,
+              scale.numel() == Hkv * D && pool.stride(2) == 1 && pool.size(1) == Hkv && pool.size(2) == D,
               "write_kv: bad int8 pool, scales or input");
   const bool centred = centre.numel() > 0;
   TORCH_CHECK(!centred || (centre.scalar_type() == torch::kFloat && centre.is_contiguous() &&
@@ -76,7 +79,7 @@ void write_kv(torch::Tensor& pool, const torch::Tensor& slot_mapping, const torc
     TORCH_CHECK(slots[t] >= 0 && slots[t] < pool.size(0), "write_kv: slot out of range");
     for (int64_t h = 0; h < Hkv; ++h) {
       const float* src = xp + t * x.stride(0) + h * x.stride(1);
-      int8_t* dst = out + (slots[t] * Hkv + h) * D;
+      int8_t* dst = out + slots[t] * pool.stride(0) + h * pool.stride(1);
       for (int64_t d = 0; d < D; ++d) {
         const float value = centred ? src[d] - cp[h * D + d] : src[d];
         dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(value / sp[h * D + d]))));

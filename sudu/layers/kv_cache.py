@@ -85,14 +85,32 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
+def kv_pool(num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed pool [num_slots, num_kv_heads, head_dim]. On the CPU each kv head's rows lie together (the
+    storage is [heads, slots, dim], the tensor a view of it): a decode thread attends one kv head, and its
+    keys are then one dense run of memory that the hardware prefetchers follow, where slot-major rows would
+    interleave the heads and each core would fetch the other head's lines too (docs/cpu_speed.md "Decode at
+    depth: each kv head's rows together"). Elsewhere slot-major (the CUDA kernels' layout)."""
+    if torch.device(device).type != "cpu":
+        return zeroed_pool((num_slots, num_kv_heads, head_dim), dtype, device)
+    return zeroed_pool((num_kv_heads, num_slots, head_dim), dtype, device).permute(1, 0, 2)
+
+
+def pool_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """All the bytes of a pool's storage, flat (whatever its layout)."""
+    return torch.empty(0, dtype=torch.uint8, device=pool.device).set_(pool.untyped_storage())
+
+
 class KVCache:
     """v_head_dim: V's width where it differs from K's (multi-head latent attention keeps the rotary key part
-    as K and the compressed latent as V, layers/mla.py). The pools take memory as they fill (zeroed_pool)."""
+    as K and the compressed latent as V, layers/mla.py). The pools take memory as they fill (zeroed_pool),
+    each kv head's rows together on the CPU (kv_pool)."""
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", v_head_dim: int | None = None):
-        self.k = zeroed_pool((num_slots, num_kv_heads, head_dim), dtype, device)
-        self.v = zeroed_pool((num_slots, num_kv_heads, v_head_dim or head_dim), dtype, device)
+        self.k = kv_pool(num_slots, num_kv_heads, head_dim, dtype, device)
+        self.v = kv_pool(num_slots, num_kv_heads, v_head_dim or head_dim, dtype, device)
         # the native kernels' attention over this pool on AMX's bfloat16 tiles rather than in float32: a
         # numerics choice made for the whole model at load (engine/attention_choice.py), one recipe for every
         # row either way
