@@ -1,7 +1,8 @@
 """The bytes of one KV block across every layer's pool: what the disk tier stores and loads.
 
-A payload is, for each layer in order, the block's K bytes then its V bytes, exactly as the pool holds
-them (float or int8 values; int8 scales are part of the namespace, not the payload), so a block loaded
+A payload is, for each layer in order, the block's K values then its V values slot by slot, as the pool
+holds them (float or int8 values; int8 scales are part of the namespace, not the payload; slot-major
+whatever the pool's own layout), so a block loaded
 from disk computes exactly what the block computed when it was in RAM. Global layers address the block
 by its id in the main pool; sliding-window layers with their own pool (Gemma's local layers in the
 default layout) by the id of the sequence's sliding block for the same positions.
