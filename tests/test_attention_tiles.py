@@ -55,6 +55,15 @@ def test_tiles_compute_bfloat16_attention(kind, head_dim, heads, kv_heads, windo
         # int8: the query carries the K scales before its rounding, so its bfloat16 differs from q's
         tol = 2e-2 if kind == "int8" else 5e-3
         torch.testing.assert_close(out[:, h].double(), want, atol=tol, rtol=0)
+    # a decode step of one of these rows (the narrow path: keys as the tiles' A operand) gives its bits
+    for i in (0, 40, T - 1):
+        hi = L - T + i + 1
+        lo = max(0, hi - window) if window else 0
+        mask = (torch.arange(L) >= lo) & (torch.arange(L) < hi)
+        row = torch.empty(1, heads, head_dim)
+        EXT.decode_attention(q[i:i + 1], cache.k, cache.v, *scales, torch.zeros(1, 1, dtype=torch.long),
+                             slots[None], mask[None, None], head_dim ** -0.5, row, True)
+        assert torch.equal(row[0], out[i]), i
 
 
 @needs_bf16_tiles
