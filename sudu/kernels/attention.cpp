@@ -365,8 +365,9 @@ void attend_rows(const SeqKV<KV>& kv, int64_t R, float scale, const float* ks, c
 
 template <typename KV>
 void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, const KV* vc, const float* ks,
-                 const float* vs, int64_t Hkv, int64_t ss, int64_t hs, int64_t D, const int64_t* rows, int64_t B, int64_t Q,
-                 const int64_t* slots, int64_t L, const bool* mask, int64_t H, float scale, float* out, bool tiles) {
+                 const float* vs, int64_t Hkv, int64_t ss, int64_t hs, int64_t D, const int64_t* rows, int64_t B,
+                 int64_t Q, const int64_t* slots, int64_t L, const bool* mask, int64_t H, float scale, float* out,
+                 bool tiles) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     Scratch w;
@@ -399,8 +400,8 @@ void decode_impl(const float* q, int64_t q_row, int64_t q_head, const KV* kc, co
 template <typename KV>
 void prompt_impl(const float* q, int64_t q_row, int64_t q_head, float* out, int64_t o_row, int64_t o_head,
                  const KV* kc, const KV* vc, const float* ks, const float* vs, int64_t Hkv, int64_t ss,
-                 int64_t hs, int64_t D, const int64_t* slots, int64_t T, int64_t L, int64_t H, int64_t first, int64_t window, float scale,
-                 bool tiles) {
+                 int64_t hs, int64_t D, const int64_t* slots, int64_t T, int64_t L, int64_t H, int64_t first,
+                 int64_t window, float scale, bool tiles) {
   // the tiles take more positions per item (each item converts its keys and values once for all its rows),
   // down to BQ while that leaves fewer than 4 items per thread. Only the speed depends on it: rows are
   // computed alike in any item
@@ -482,8 +483,8 @@ void decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch
   const auto [ksp, vsp] = pool_scales(kc, ks, vs, Hkv, D);
   with_pool(kc, vc, [&](auto* k, auto* v) {
     decode_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), k, v, ksp, vsp, Hkv, kc.stride(0), kc.stride(1), D,
-                rows.data_ptr<int64_t>(), B, Q,
-                slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale), out.data_ptr<float>(), tiles);
+                rows.data_ptr<int64_t>(), B, Q, slots.data_ptr<int64_t>(), L, mask.data_ptr<bool>(), H, float(scale),
+                out.data_ptr<float>(), tiles);
   });
 }
 

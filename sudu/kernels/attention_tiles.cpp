@@ -215,17 +215,18 @@ SUDU_AMXBF16 inline void unpermute(__m512 lo, __m512 hi, __m512& first, __m512& 
   second = _mm512_permutex2var_ps(lo, _mm512_load_si512(i1), hi);
 }
 
-// Asks for the keys and values of key indices [j0, j1) ahead of their use: a block's rows are scattered over
-// the pool, so without it each block waits on memory key by key (two blocks ahead, prefetcht1, or the
-// requests spread over the gathers measured no faster; docs/cpu_speed.md "Decode at depth on AMX").
+// Asks for the keys and values of a block's keys [a, b) (off: row_offsets) ahead of their use: a block's rows
+// are scattered over the pool, so without it each block waits on memory key by key (two blocks ahead,
+// prefetcht1, or the requests spread over the gathers measured no faster; docs/cpu_speed.md "Decode at depth
+// on AMX").
 template <Pool P>
-SUDU_AMXBF16 inline void prefetch_keys(const Keys& kv, int64_t j0, int64_t j1) {
+SUDU_AMXBF16 inline void prefetch_keys(const Keys& kv, const int64_t* off, int64_t a, int64_t b) {
   constexpr int64_t bytes = P == Pool::F32 ? 4 : P == Pool::I8 ? 1 : 2;
   const int64_t row = kv.D * bytes;
   const char* kc = static_cast<const char*>(kv.kc);
   const char* vc = static_cast<const char*>(kv.vc);
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t at = (kv.slots[j] * kv.ss + kv.g * kv.hs) * bytes;
+  for (int64_t jj = a; jj < b; ++jj) {
+    const int64_t at = off[jj] * bytes;
     for (int64_t c = 0; c < row; c += 64) {
       prefetch_line(kc + at + c);
       prefetch_line(vc + at + c);
@@ -281,7 +282,8 @@ template <Pool P>
 SUDU_AMXBF16 void key_rows(const Keys& kv, const int64_t* off, int64_t a, int64_t b, uint16_t* ka) {
   const int64_t D = kv.D;
   for (int64_t jj = a / 16 * 16; jj < (b + 15) / 16 * 16; ++jj)
-    for (int64_t c = 0; c < D / 32; ++c) _mm512_storeu_si512(ka + jj * D + 32 * c, pool_row<P>(kv.kc, off, a, b, jj, c));
+    for (int64_t c = 0; c < D / 32; ++c)
+      _mm512_storeu_si512(ka + jj * D + 32 * c, pool_row<P>(kv.kc, off, a, b, jj, c));
 }
 
 // Scores of the (at most 16) query rows for the block's 16-key tiles [t0, t1) into s (rows of KB): per key tile,
@@ -397,13 +399,20 @@ SUDU_AMXBF16 void attend(const Keys& kv, const Rows& rw, float scale, const floa
   std::fill_n(w.l.begin(), R * 16, 0.f);
   const bool narrow = Rp == 16;
   if (narrow) query_operands(qa, D, w.qb.data());
-  int64_t off[KB];
+  int64_t offsets[2][KB];  // the rows of this block's keys and of the next one's (row_offsets)
+  const int64_t first = jhi > 0 ? jlo - jlo % KB : 0;
+  if (first < jhi) row_offsets(kv, first, jlo - first, std::min(jhi, first + KB) - first, offsets[0]);
   _tile_loadconfig(&tile_config);
-  for (int64_t j0 = jhi > 0 ? jlo - jlo % KB : 0; j0 < jhi; j0 += KB) {
-    // the block's keys that some row sees, [a, b) as offsets in the block
+  for (int64_t j0 = first, k = 0; j0 < jhi; j0 += KB, ++k) {
+    // the block's keys that some row sees, [a, b) as offsets in the block; the next block's from its start
     const int64_t a = std::max(jlo, j0) - j0, b = std::min(jhi, j0 + KB) - j0;
-    prefetch_keys<P>(kv, std::min(jhi, j0 + KB), std::min(jhi, j0 + 2 * KB));
-    row_offsets(kv, j0, a, b, off);
+    const int64_t* off = offsets[k % 2];
+    if (j0 + KB < jhi) {
+      int64_t* next = offsets[(k + 1) % 2];
+      const int64_t nb = std::min(jhi, j0 + 2 * KB) - (j0 + KB);
+      row_offsets(kv, j0 + KB, 0, nb, next);
+      prefetch_keys<P>(kv, next, 0, nb);
+    }
     if (narrow) {
       key_rows<P>(kv, off, a, b, w.ka.data());
       narrow_scores(w.ka.data(), w.qb.data(), D, a / 16, (b + 15) / 16, R, w.st.data(), w.s.data());
