@@ -79,6 +79,7 @@ def quality(name: str, tokens: int) -> None:
 
 
 def speed(depths: list[int], heads: int, kv_heads: int, head_dim: int, layers: int) -> None:
+    from benchmarks.decode_depth import median_s as median
     from sudu import kernels
 
     ext = kernels.load()
@@ -88,14 +89,6 @@ def speed(depths: list[int], heads: int, kv_heads: int, head_dim: int, layers: i
     print("| depth | prompt chunk of 512, float32 | bfloat16 tiles | speedup | decode step, float32 | tiles "
           "| speedup |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-
-    def median(f, n):
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[n // 2]
 
     for L in depths:
         k = (torch.randn(L, kv_heads, head_dim) * 2).half()
